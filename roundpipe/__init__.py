@@ -1,0 +1,31 @@
+"""roundpipe: fine-tune large models on a few consumer GPUs with round-robin pipelines.
+
+All training state lives in host memory; stage jobs are dispatched round-robin to
+a pool of stateless devices (see DESIGN.md). Importing this package starts no
+thread and touches no device.
+"""
+
+from .config import RoundPipeRunConfig
+from .devices import DevicePool, EmulatedDevicePool, EmulatedOptions, make_pool
+from .errors import RoundPipeError
+from .model import RoundPipe
+from .plan import Plan, PlanError, default_plan
+from .schedule import Job, JobKind, Schedule, lower
+
+__all__ = [
+    "DevicePool",
+    "EmulatedDevicePool",
+    "EmulatedOptions",
+    "Job",
+    "JobKind",
+    "Plan",
+    "PlanError",
+    "RoundPipe",
+    "RoundPipeError",
+    "RoundPipeRunConfig",
+    "Schedule",
+    "default_plan",
+    "lower",
+    "make_pool",
+]
+__version__ = "0.1.0"

@@ -1,0 +1,61 @@
+"""Run-time options of a RoundPipe model (how a call is split, planned and recomputed)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any
+
+from .plan import Plan
+
+SplitInput = Callable[[tuple, dict, int], list[tuple[tuple, dict]]]
+SplitLabel = Callable[[Any, int], list[Any]]
+MergeOutput = Callable[[list[Any]], Any]
+
+RECOMPUTE_GRAINS = ("stage", "layer")
+
+
+@dataclass(frozen=True)
+class RoundPipeRunConfig:
+    """Options for running the pipeline; pass one to ``RoundPipe`` or to a single call.
+
+    - ``num_microbatch``: microbatches per call; ``None`` means devices + 1.
+    - ``execute_plan``: a :class:`~roundpipe.plan.Plan` (or its string form
+      ``"3,3|1,1,1,1,1,1"``) to pin; ``None`` uses the automatic plan.
+    - ``recompute_grain``: ``"stage"`` saves each backward stage's input and
+      recomputes the stage; ``"layer"`` saves every layer's input.
+    - ``preserve_rng_state``: recompute draws the same random numbers as the forward
+      (dropout masks match).
+    - ``split_input`` / ``split_label`` / ``merge_output``: replace the default
+      splitting along dim 0 (``torch.tensor_split``) and merging (``torch.cat``).
+    - ``weight_chunk_bytes``: weight uploads are cut into chunks of at most this size
+      so activation uploads can pass them; ``None`` uploads a stage in one piece.
+    """
+
+    num_microbatch: int | None = None
+    execute_plan: Plan | str | None = None
+    recompute_grain: str = "stage"
+    preserve_rng_state: bool = True
+    split_input: SplitInput | None = None
+    split_label: SplitLabel | None = None
+    merge_output: MergeOutput | None = None
+    weight_chunk_bytes: int | None = 256 * 2**20
+
+    def __post_init__(self) -> None:
+        if self.num_microbatch is not None and (
+            not isinstance(self.num_microbatch, int) or self.num_microbatch < 1
+        ):
+            raise ValueError(
+                f"num_microbatch must be a positive integer or None, got {self.num_microbatch!r}"
+            )
+        if self.recompute_grain not in RECOMPUTE_GRAINS:
+            raise ValueError(
+                f"recompute_grain must be one of {RECOMPUTE_GRAINS}, got {self.recompute_grain!r}"
+            )
+        if isinstance(self.execute_plan, str):
+            object.__setattr__(self, "execute_plan", Plan.parse(self.execute_plan))
+        if self.weight_chunk_bytes is not None and self.weight_chunk_bytes < 1:
+            raise ValueError(f"weight_chunk_bytes must be positive, got {self.weight_chunk_bytes}")
+
+    def replace(self, **changes: Any) -> RoundPipeRunConfig:
+        return replace(self, **changes)

@@ -1,0 +1,82 @@
+"""Device pools: which devices jobs are dispatched to, chosen by a spec string.
+
+``"cuda"`` (all visible GPUs), ``"cuda:0,2"``, ``"emulated:4"`` (4 virtual devices
+on the CPU). Without an explicit spec: all CUDA GPUs, or without CUDA the spec in
+``ROUNDPIPE_DEVICES``, else ``emulated:2`` with a one-time notice.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import torch
+
+from .base import Device, DeviceOpError, DevicePool, Event, OpInfo, Slot, SpanRecord, Stream
+from .emulated import EmulatedDevicePool, EmulatedOptions
+
+__all__ = [
+    "Device",
+    "DeviceOpError",
+    "DevicePool",
+    "EmulatedDevicePool",
+    "EmulatedOptions",
+    "Event",
+    "OpInfo",
+    "Slot",
+    "SpanRecord",
+    "Stream",
+    "make_pool",
+]
+
+_notice_given = False
+
+
+def make_pool(
+    spec: str | DevicePool | None = None, emulated_options: EmulatedOptions | None = None
+) -> DevicePool:
+    """Build the device pool named by ``spec`` (see module docstring)."""
+    if isinstance(spec, DevicePool):
+        return spec
+    if spec is None:
+        spec = _default_spec()
+    if not isinstance(spec, str):
+        raise TypeError(f"devices must be a spec string or a DevicePool, got {type(spec).__name__}")
+    kind, _, rest = spec.strip().partition(":")
+    if kind == "emulated":
+        try:
+            count = int(rest) if rest else 2
+        except ValueError:
+            raise ValueError(f"bad device spec {spec!r}: write 'emulated:N', e.g. 'emulated:4'") from None
+        return EmulatedDevicePool(count, emulated_options)
+    if kind == "cuda":
+        from .cuda import CudaDevicePool  # imported lazily: touches CUDA
+
+        if not torch.cuda.is_available():
+            raise RuntimeError(
+                f"device spec {spec!r} asks for CUDA, but torch.cuda is not available here; "
+                "use 'emulated:N' to run on the CPU"
+            )
+        try:
+            indices = [int(i) for i in rest.split(",")] if rest else None
+        except ValueError:
+            raise ValueError(f"bad device spec {spec!r}: write 'cuda' or 'cuda:0,2'") from None
+        return CudaDevicePool(indices if indices is not None else list(range(torch.cuda.device_count())))
+    raise ValueError(f"unknown device spec {spec!r}: use 'cuda', 'cuda:0,2' or 'emulated:N'")
+
+
+def _default_spec() -> str:
+    global _notice_given
+    if torch.cuda.is_available():
+        return "cuda"
+    env = os.environ.get("ROUNDPIPE_DEVICES")
+    if env:
+        return env
+    if not _notice_given:
+        _notice_given = True
+        warnings.warn(
+            "roundpipe: no CUDA device found and ROUNDPIPE_DEVICES is not set; "
+            "using 2 emulated devices on the CPU",
+            stacklevel=3,
+        )
+    return "emulated:2"

@@ -1,0 +1,183 @@
+"""The device abstraction the runtime is written against (DESIGN.md §9).
+
+Everything the runtime does on a device is a *stream op*: a closure submitted to
+one of the device's streams, run in that stream's order. On CUDA the closure runs
+at once on the calling thread inside ``torch.cuda.stream(...)``, so the kernels it
+launches are queued on the real stream. On the emulated backend the closure is
+queued and run later by the stream's own thread. Runtime code therefore never
+reads a device result on the host thread; it hands results along through
+:class:`Slot` objects filled inside stream ops and orders them with events, the
+same way CUDA code must.
+
+Errors are sticky, as on CUDA: once an op of a stream fails, later ops of that
+stream are skipped, events it records carry the error, and a stream that waits on
+such an event is poisoned too. :meth:`Event.synchronize` raises the error on the
+host. :meth:`DevicePool.clear_errors` makes the pool usable again.
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+STREAM_NAMES = ("compute", "weight_upload", "act_upload", "download")
+
+
+@dataclass(frozen=True)
+class OpInfo:
+    """What a stream op is, for timing models, timelines and error messages."""
+
+    kind: str  # forward | recompute | backward | fused | upload | download | ...
+    label: str = ""
+    nbytes: int = 0
+    layers: tuple[int, ...] = ()
+    critical: bool = False  # on the critical path (activations): goes before weight prefetch
+
+
+@dataclass(frozen=True)
+class SpanRecord:
+    """One executed op, as seen by the device (wall-clock seconds)."""
+
+    device: int
+    stream: str
+    info: OpInfo
+    start: float
+    end: float
+
+
+class Slot:
+    """A value handed from one stream op to another, ordered by an event."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any = None) -> None:
+        self.value = value
+
+
+class Event(abc.ABC):
+    @abc.abstractmethod
+    def synchronize(self) -> None:
+        """Block the host until the work before this event finished; raise its error."""
+
+    @abc.abstractmethod
+    def query(self) -> bool:
+        """Whether the work before this event finished."""
+
+
+class Stream(abc.ABC):
+    device: Device
+    name: str
+
+    @abc.abstractmethod
+    def submit(self, fn: Callable[[], None], info: OpInfo) -> None:
+        """Run ``fn`` in stream order. ``fn`` may launch work (CUDA) or do it (emulated)."""
+
+    @abc.abstractmethod
+    def record(self) -> Event:
+        """An event that completes when everything submitted so far has run."""
+
+    @abc.abstractmethod
+    def wait(self, event: Event) -> None:
+        """Make later ops of this stream wait for ``event`` (no host blocking)."""
+
+
+class Device(abc.ABC):
+    """One accelerator (or one emulated one) with its four streams."""
+
+    index: int
+    torch_device: torch.device
+    streams: dict[str, Stream]
+
+    @property
+    def compute(self) -> Stream:
+        return self.streams["compute"]
+
+    @property
+    def weight_upload(self) -> Stream:
+        return self.streams["weight_upload"]
+
+    @property
+    def act_upload(self) -> Stream:
+        return self.streams["act_upload"]
+
+    @property
+    def download(self) -> Stream:
+        return self.streams["download"]
+
+    @abc.abstractmethod
+    def to_device(self, host: torch.Tensor, stream: Stream) -> torch.Tensor:
+        """Inside an op of ``stream``: an asynchronous host→device copy of ``host``."""
+
+    @abc.abstractmethod
+    def to_host(self, tensor: torch.Tensor, stream: Stream) -> torch.Tensor:
+        """Inside an op of ``stream``: an asynchronous device→host copy (pinned if possible)."""
+
+    @abc.abstractmethod
+    def keep_alive(self, tensor: torch.Tensor, stream: Stream) -> None:
+        """Tell the allocator ``tensor`` is used by ``stream`` (``record_stream`` on CUDA)."""
+
+    @abc.abstractmethod
+    def compute_scope(self, info: OpInfo) -> contextlib.AbstractContextManager[None]:
+        """Context for running layer code of this device inside a compute op."""
+
+    @abc.abstractmethod
+    def get_rng_state(self) -> torch.Tensor:
+        """Inside a compute op: the RNG state random layers (dropout) will draw from."""
+
+    @abc.abstractmethod
+    def set_rng_state(self, state: torch.Tensor) -> None:
+        """Inside a compute op: restore an RNG state captured by :meth:`get_rng_state`."""
+
+    @abc.abstractmethod
+    def memory_allocated(self) -> int:
+        """Bytes of device memory currently held by tensors."""
+
+    @abc.abstractmethod
+    def max_memory_allocated(self) -> int:
+        """Peak of :meth:`memory_allocated` since the last reset."""
+
+    @abc.abstractmethod
+    def reset_peak_memory(self) -> None: ...
+
+    def is_on_device(self, tensor: torch.Tensor) -> bool:
+        return tensor.device == self.torch_device
+
+
+class DevicePool(abc.ABC):
+    """The devices jobs are dispatched to, round-robin."""
+
+    devices: list[Device]
+    kind: str  # "cuda" | "emulated"
+
+    def __len__(self) -> int:
+        return len(self.devices)
+
+    def __iter__(self) -> Iterator[Device]:
+        return iter(self.devices)
+
+    @abc.abstractmethod
+    def pin(self, tensor: torch.Tensor, mode: str) -> torch.Tensor:
+        """Page-lock a host tensor per ``mode`` ("alloc" | "register" | "off")."""
+
+    @abc.abstractmethod
+    def clear_errors(self) -> None:
+        """After a failure has been reported: let the streams run again."""
+
+    def spans(self) -> list[SpanRecord]:
+        """Executed ops recorded since :meth:`start_recording` (empty if not recording)."""
+        return []
+
+    def start_recording(self) -> None:  # noqa: B027 - optional hook
+        """Begin recording a timeline of executed ops."""
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Stop any threads the pool owns."""
+
+
+class DeviceOpError(RuntimeError):
+    """A stream op failed; carries the op that failed in its message, the cause chained."""

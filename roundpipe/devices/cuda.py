@@ -1,0 +1,193 @@
+"""The real backend: CUDA (and ROCm, which PyTorch exposes through ``torch.cuda``).
+
+This is the one module that makes vendor-specific calls. It follows the documented
+CUDA semantics the runtime relies on:
+
+- a stream op runs at once on the calling (device worker) thread inside
+  ``torch.cuda.stream(s)``, so every kernel and copy it issues is queued on ``s``;
+- events are recorded on a stream and waited on by streams of the same or other
+  devices (``cudaStreamWaitEvent``) without blocking the host;
+- host↔device copies are ``non_blocking`` from/to pinned memory, so they are truly
+  asynchronous; pinned host buffers for downloads come from PyTorch's caching host
+  allocator, which records the copy's stream and does not reuse a block early;
+- a tensor allocated on one stream and used on another is passed to
+  ``Tensor.record_stream`` so the caching allocator does not hand its memory out
+  again before the using stream is done with it (:meth:`CudaDevice.keep_alive`).
+
+Python exceptions raised while issuing an op are made sticky per stream, the same
+way the emulated backend does, so both backends report failures through events.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable
+
+import torch
+
+from .base import STREAM_NAMES, Device, DevicePool, Event, OpInfo, SpanRecord, Stream
+
+# Lower number = higher priority. Critical-path activation uploads go first and
+# weight prefetch fills the gaps (DESIGN.md §4).
+_STREAM_PRIORITY = {"compute": 0, "weight_upload": 0, "act_upload": -1, "download": 0}
+
+
+class _CudaEvent(Event):
+    def __init__(self, event: torch.cuda.Event, error: BaseException | None) -> None:
+        self.event = event
+        self.error = error
+
+    def synchronize(self) -> None:
+        self.event.synchronize()
+        if self.error is not None:
+            raise self.error
+
+    def query(self) -> bool:
+        return self.event.query()
+
+
+class _CudaStream(Stream):
+    def __init__(self, device: CudaDevice, name: str) -> None:
+        self.device = device
+        self.name = name
+        self.error: BaseException | None = None
+        self.stream = torch.cuda.Stream(device=device.index, priority=_STREAM_PRIORITY[name])
+
+    def submit(self, fn: Callable[[], None], info: OpInfo) -> None:
+        if self.error is not None:
+            return
+        pool = self.device.pool
+        with torch.cuda.device(self.device.index), torch.cuda.stream(self.stream):
+            start = pool._timing_event(self.stream)
+            try:
+                fn()
+            except BaseException as exc:  # noqa: BLE001 - sticky, reported through events
+                self.error = exc
+                return
+            pool._record_timing(self.device.index, self.name, info, start, self.stream)
+
+    def record(self) -> Event:
+        event = torch.cuda.Event()
+        event.record(self.stream)
+        return _CudaEvent(event, self.error)
+
+    def wait(self, event: Event) -> None:
+        if not isinstance(event, _CudaEvent):
+            raise TypeError(f"a CUDA stream cannot wait on {type(event).__name__}")
+        self.stream.wait_event(event.event)
+        if event.error is not None and self.error is None:
+            self.error = event.error
+
+
+class CudaDevice(Device):
+    def __init__(self, pool: CudaDevicePool, index: int) -> None:
+        self.pool = pool
+        self.index = index
+        self.torch_device = torch.device("cuda", index)
+        self.streams = {name: _CudaStream(self, name) for name in STREAM_NAMES}
+
+    def __repr__(self) -> str:
+        return f"cuda:{self.index}"
+
+    def to_device(self, host: torch.Tensor, stream: Stream) -> torch.Tensor:
+        return host.to(self.torch_device, non_blocking=True)
+
+    def to_host(self, tensor: torch.Tensor, stream: Stream) -> torch.Tensor:
+        out = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=True)
+        out.copy_(tensor, non_blocking=True)
+        return out
+
+    def keep_alive(self, tensor: torch.Tensor, stream: Stream) -> None:
+        assert isinstance(stream, _CudaStream)
+        tensor.record_stream(stream.stream)
+
+    def compute_scope(self, info: OpInfo) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()  # the stream context already selects the device
+
+    def get_rng_state(self) -> torch.Tensor:
+        return torch.cuda.get_rng_state(self.index)
+
+    def set_rng_state(self, state: torch.Tensor) -> None:
+        torch.cuda.set_rng_state(state, self.index)
+
+    def memory_allocated(self) -> int:
+        return torch.cuda.memory_allocated(self.index)
+
+    def max_memory_allocated(self) -> int:
+        return torch.cuda.max_memory_allocated(self.index)
+
+    def reset_peak_memory(self) -> None:
+        torch.cuda.reset_peak_memory_stats(self.index)
+
+
+class CudaDevicePool(DevicePool):
+    kind = "cuda"
+
+    def __init__(self, indices: list[int]) -> None:
+        if not torch.cuda.is_available():
+            raise RuntimeError("CUDA devices were requested but torch.cuda is not available")
+        count = torch.cuda.device_count()
+        bad = [i for i in indices if not 0 <= i < count]
+        if bad:
+            raise ValueError(f"CUDA device(s) {bad} do not exist; this machine has {count}")
+        self.devices = [CudaDevice(self, i) for i in indices]
+        self._recording = False
+        self._pending: list[tuple[int, str, OpInfo, torch.cuda.Event, torch.cuda.Event]] = []
+        self._origin: dict[int, tuple[torch.cuda.Event, float]] = {}
+
+    def __repr__(self) -> str:
+        return f"CudaDevicePool({[d.index for d in self.devices]})"
+
+    def pin(self, tensor: torch.Tensor, mode: str) -> torch.Tensor:
+        if mode == "off" or tensor.is_pinned():
+            return tensor
+        if mode == "alloc":
+            return tensor.pin_memory()
+        if mode == "register":
+            storage = tensor.untyped_storage()
+            result = torch.cuda.cudart().cudaHostRegister(storage.data_ptr(), storage.nbytes(), 0)
+            if int(result) != 0:
+                raise RuntimeError(f"cudaHostRegister failed with error {int(result)}")
+            return tensor
+        raise ValueError(f"pin_model must be 'alloc', 'register' or 'off', got {mode!r}")
+
+    def clear_errors(self) -> None:
+        for device in self.devices:
+            for stream in device.streams.values():
+                stream.error = None
+
+    def start_recording(self) -> None:
+        self._pending = []
+        self._origin = {}
+        for device in self.devices:
+            with torch.cuda.device(device.index):
+                origin = torch.cuda.Event(enable_timing=True)
+                origin.record()
+            self._origin[device.index] = (origin, time.perf_counter())
+        self._recording = True
+
+    def _timing_event(self, stream: torch.cuda.Stream) -> torch.cuda.Event | None:
+        if not self._recording:
+            return None
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(stream)
+        return event
+
+    def _record_timing(
+        self, device: int, name: str, info: OpInfo, start: torch.cuda.Event | None, stream
+    ) -> None:
+        if start is None:
+            return
+        end = torch.cuda.Event(enable_timing=True)
+        end.record(stream)
+        self._pending.append((device, name, info, start, end))
+
+    def spans(self) -> list[SpanRecord]:
+        torch.cuda.synchronize()
+        spans = []
+        for device, name, info, start, end in self._pending:
+            origin, origin_wall = self._origin[device]
+            begin = origin_wall + origin.elapsed_time(start) / 1e3
+            spans.append(SpanRecord(device, name, info, begin, begin + start.elapsed_time(end) / 1e3))
+        return spans

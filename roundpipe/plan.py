@@ -1,0 +1,166 @@
+"""Execution plans: how the layer sequence is cut into forward and backward stages.
+
+A plan is pure data. The forward pass and the backward pass use *different*
+partitions of the same layers (DESIGN.md §3): forward stages hold more layers,
+backward stages (which also recompute) fewer. The deepest backward stage is the
+*fused* stage: it runs forward, loss and backward back to back, so the forward
+partition ends exactly where the fused stage begins.
+
+Stages are given as layer counts. ``Plan(forward=(3, 3), backward=(2, 1, 1, 1, 1, 1, 1))``
+over 8 layers means forward stages ``[0:3] [3:6]``, the fused stage ``[6:8]``, then
+backward stages ``[5:6] [4:5] ... [0:1]`` (deepest first, the order they run in).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+class PlanError(ValueError):
+    """A plan does not describe a valid partition of the model's layers."""
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Forward and backward stage sizes, in layers.
+
+    ``forward[i]`` is the number of layers of forward stage ``i`` (shallowest
+    first). ``backward[i]`` is the number of layers of backward stage ``i`` in
+    execution order, i.e. deepest first: ``backward[0]`` is the fused stage.
+    """
+
+    forward: tuple[int, ...]
+    backward: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "forward", tuple(int(n) for n in self.forward))
+        object.__setattr__(self, "backward", tuple(int(n) for n in self.backward))
+
+    @property
+    def num_layers(self) -> int:
+        return sum(self.backward)
+
+    @property
+    def fused_layers(self) -> int:
+        return self.backward[0] if self.backward else 0
+
+    def forward_ranges(self) -> list[range]:
+        """Layer ranges of the forward stages, shallowest first."""
+        return _ranges_from_start(self.forward, 0)
+
+    def fused_range(self) -> range:
+        return range(self.num_layers - self.fused_layers, self.num_layers)
+
+    def backward_ranges(self) -> list[range]:
+        """Layer ranges of the backward stages in execution order (fused first)."""
+        ranges, stop = [], self.num_layers
+        for size in self.backward:
+            ranges.append(range(stop - size, stop))
+            stop -= size
+        return ranges
+
+    def validate(self, num_layers: int) -> Plan:
+        """Raise :class:`PlanError` unless this plan covers ``num_layers`` layers exactly."""
+        if num_layers < 1:
+            raise PlanError(f"the model has {num_layers} layers; it needs at least one")
+        if not self.backward:
+            raise PlanError("the plan has no backward stages; it needs at least the fused stage")
+        for side, sizes in (("forward", self.forward), ("backward", self.backward)):
+            bad = [n for n in sizes if n < 1]
+            if bad:
+                raise PlanError(
+                    f"every {side} stage needs at least one layer, got {side} sizes {list(sizes)}"
+                )
+        if sum(self.backward) != num_layers:
+            raise PlanError(
+                f"backward stages cover {sum(self.backward)} layers "
+                f"({list(self.backward)}), but the model has {num_layers}: every layer must "
+                "be in exactly one backward stage"
+            )
+        expected_forward = num_layers - self.fused_layers
+        if sum(self.forward) != expected_forward:
+            raise PlanError(
+                f"forward stages cover {sum(self.forward)} layers ({list(self.forward)}), but "
+                f"the forward partition must end where the fused stage (the last "
+                f"{self.fused_layers} layers) begins, i.e. cover {expected_forward} layers"
+            )
+        return self
+
+    def __str__(self) -> str:
+        return f"{','.join(map(str, self.forward))}|{','.join(map(str, self.backward))}"
+
+    @classmethod
+    def parse(cls, text: str) -> Plan:
+        """Parse ``"3,3|2,1,1,1,1,1,1"`` (forward sizes | backward sizes, fused first)."""
+        if text.count("|") != 1:
+            raise PlanError(f"a plan reads 'fwd,fwd,...|bwd,bwd,...', got {text!r}")
+        fwd, bwd = text.split("|")
+        try:
+            return cls(_parse_sizes(fwd), _parse_sizes(bwd))
+        except ValueError as exc:
+            raise PlanError(f"could not read plan {text!r}: {exc}") from None
+
+    @classmethod
+    def from_ranges(cls, forward: Sequence[range], backward: Sequence[range]) -> Plan:
+        """Build a plan from explicit layer ranges, checking they are contiguous."""
+        for side, ranges, descending in (("forward", forward, False), ("backward", backward, True)):
+            for a, b in zip(ranges, ranges[1:], strict=False):
+                touching = (b.stop == a.start) if descending else (b.start == a.stop)
+                if not touching:
+                    raise PlanError(f"{side} stages {a} and {b} are not contiguous and in order")
+        return cls(tuple(len(r) for r in forward), tuple(len(r) for r in backward))
+
+
+def _ranges_from_start(sizes: Sequence[int], start: int) -> list[range]:
+    ranges = []
+    for size in sizes:
+        ranges.append(range(start, start + size))
+        start += size
+    return ranges
+
+
+def _parse_sizes(text: str) -> tuple[int, ...]:
+    text = text.strip()
+    return tuple(int(part) for part in text.split(",")) if text else ()
+
+
+def default_plan(layer_sizes: Sequence[int], *, backward_ratio: int = 3) -> Plan:
+    """A size-based plan, used before any timing has been measured.
+
+    Layer cost is taken proportional to parameter count (at least 1 so parameter-free
+    layers still count). Backward stages aim at one average layer's worth of work,
+    forward stages at ``backward_ratio`` times that (backward with recompute costs
+    about 3x forward, DESIGN.md §3). The fused stage is the last backward stage cut.
+    """
+    costs = [max(int(s), 1) for s in layer_sizes]
+    if not costs:
+        raise PlanError("the model has no layers")
+    mean = sum(costs) / len(costs)
+    cap = max(mean, max(costs))
+    backward = _pack_from_end(costs, cap)
+    fused = backward[0]
+    forward = _pack_from_start(costs[: len(costs) - fused], backward_ratio * cap)
+    return Plan(tuple(forward), tuple(backward))
+
+
+def _pack_from_start(costs: Sequence[float], cap: float) -> list[int]:
+    sizes: list[int] = []
+    total = 0.0
+    for cost in costs:
+        if sizes and total + cost <= cap:
+            sizes[-1] += 1
+            total += cost
+        else:
+            sizes.append(1)
+            total = cost
+    return sizes
+
+
+def _pack_from_end(costs: Sequence[float], cap: float) -> list[int]:
+    return _pack_from_start(list(reversed(costs)), cap)
+
+
+def stage_ranges(sizes: Sequence[int], start: int = 0) -> list[range]:
+    """Consecutive layer ranges of stages with the given sizes, the first at ``start``."""
+    return _ranges_from_start(sizes, start)

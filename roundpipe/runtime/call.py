@@ -1,0 +1,121 @@
+"""What one pipelined call is: its schedule, microbatches, and who hands what to whom.
+
+Handoff keys in a call's :class:`~roundpipe.runtime.sync.Mailbox`:
+
+- ``("act", i, m)``: the input of layer ``i`` for microbatch ``m``, in host memory
+  (``i == 0`` is the user's input). Read by the job that starts at layer ``i`` and,
+  if ``i`` is a recompute entry point, by the backward job that recomputes from it.
+- ``("rng", i, m)``: the RNG state the forward drew from when it ran layer ``i``.
+- ``("grad", i, m)``: the gradient w.r.t. the input of layer ``i``.
+- ``("loss", m)`` and ``("out", m)``: what the fused stage hands back to the caller.
+
+Every value crossing a stage boundary is an ``(args, kwargs)`` pair: layer 0 is
+called as ``layer(*args, **kwargs)`` with the user's inputs, every later layer with
+the previous layer's output as its single argument, as ``nn.Sequential`` does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..schedule import Job, JobKind, Schedule
+from .sync import Latch, Mailbox
+
+@dataclass
+class AutocastState:
+    """The caller's autocast settings, re-entered on the threads that run layers."""
+
+    device_type: str
+    enabled: bool
+    dtype: torch.dtype
+
+    @classmethod
+    def capture(cls, device_type: str) -> AutocastState:
+        enabled = torch.is_autocast_enabled(device_type)
+        dtype = torch.get_autocast_dtype(device_type)
+        return cls(device_type, enabled, dtype)
+
+    def scope(self):
+        return torch.autocast(self.device_type, dtype=self.dtype, enabled=self.enabled)
+
+
+@dataclass
+class Call:
+    """One ``forward_backward`` (or forward-only) call in flight."""
+
+    schedule: Schedule
+    num_microbatches: int
+    recompute_grain: str
+    preserve_rng_state: bool
+    weights_version: int
+    chunk_bytes: int | None
+    autocast: AutocastState
+    loss_fn: Callable[..., torch.Tensor] | None
+    labels: list[Any] | None
+    return_outputs: bool
+    seq: int
+    """Position of this call among its model's calls (orders buffer write-backs)."""
+    forward_only: bool = False
+    mailbox: Mailbox = field(default_factory=Mailbox)
+    latch: Latch = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.latch = Latch(len(self.schedule.jobs))
+        self.recompute_inputs = self._recompute_inputs()
+        self._expect_readers()
+
+    @property
+    def fused_start(self) -> int:
+        return self.schedule.plan.fused_range().start
+
+    def _recompute_inputs(self) -> frozenset[int]:
+        if self.forward_only:
+            return frozenset()
+        if self.recompute_grain == "layer":
+            return frozenset(range(self.fused_start))
+        return frozenset(
+            j.layers.start for j in self.schedule.jobs if j.kind is JobKind.BACKWARD
+        )
+
+    def _expect_readers(self) -> None:
+        starts = [
+            j.layers.start
+            for j in self.schedule.jobs
+            if j.kind in (JobKind.FORWARD, JobKind.FUSED)
+        ]
+        for m in range(self.num_microbatches):
+            for layer in set(starts) | self.recompute_inputs:
+                readers = starts.count(layer) + (layer in self.recompute_inputs)
+                self.mailbox.expect(("act", layer, m), readers)
+
+    def produced_keys(self, job: Job) -> list[tuple]:
+        """The handoffs ``job`` posts; failed with its error if the job cannot."""
+        keys: list[tuple] = []
+        for m in range(self.num_microbatches):
+            if job.kind is JobKind.FORWARD:
+                keys += [("act", i, m) for i in self.forward_saves(job)]
+                keys.append(("act", job.layers.stop, m))
+                keys += [("rng", i, m) for i in self.rng_layers(job)]
+            else:
+                if job.layers.start > 0:
+                    keys.append(("grad", job.layers.start, m))
+                if job.kind is JobKind.FUSED:
+                    keys += [("loss", m), ("out", m)]
+        return keys
+
+    def forward_saves(self, job: Job) -> list[int]:
+        """Layers strictly inside a forward job whose input is kept for recompute."""
+        return [i for i in job.layers if i != job.layers.start and i in self.recompute_inputs]
+
+    def rng_layers(self, job: Job) -> list[int]:
+        if not self.preserve_rng_state:
+            return []
+        return [i for i in job.layers if i in self.recompute_inputs]
+
+    def fail_outputs(self, job: Job, error: BaseException) -> None:
+        for key in self.produced_keys(job):
+            self.mailbox.fail(key, error)

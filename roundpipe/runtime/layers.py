@@ -1,0 +1,113 @@
+"""Running one of the user's layers on a device with device copies of its weights.
+
+The user's modules stay untouched in host memory. For each (layer, device) we keep
+a *shell*: a deep copy of the layer whose parameters and buffers are placeholders
+on the ``meta`` device. Before running, the shell is bound to the device tensors
+of the current stage; the autograd graph then refers to those tensors, so the
+binding may change as soon as the call returns. A device runs its compute ops one
+at a time, so one shell per device is never used by two ops at once.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..errors import RoundPipeError
+
+
+@dataclass(frozen=True)
+class TensorSlot:
+    """Where a parameter or buffer sits inside a layer: ``layer.<path>.<name>``."""
+
+    path: str
+    name: str
+    uid: int  # id() of the host tensor; equal uids mean a tied tensor
+
+
+def _slots(module: nn.Module, registry: str) -> list[TensorSlot]:
+    slots = []
+    for path, sub in module.named_modules(remove_duplicate=False):
+        for name, tensor in getattr(sub, registry).items():
+            if tensor is not None:
+                slots.append(TensorSlot(path, name, id(tensor)))
+    return slots
+
+
+class LayerBinding:
+    """One layer of the user's model and the machinery to run it on any device."""
+
+    def __init__(self, index: int, name: str, module: nn.Module) -> None:
+        self.index = index
+        self.name = name
+        self.module = module
+        self.param_slots = _slots(module, "_parameters")
+        self.buffer_slots = _slots(module, "_buffers")
+        self.param_uids = list(dict.fromkeys(s.uid for s in self.param_slots))
+        self.buffer_uids = list(dict.fromkeys(s.uid for s in self.buffer_slots))
+        self._shells: dict[int, nn.Module] = {}
+        self._lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        return f"layer {self.index} ({self.name}: {type(self.module).__name__})"
+
+    def shell(self, device_index: int) -> nn.Module:
+        with self._lock:
+            if device_index not in self._shells:
+                self._shells[device_index] = self._make_shell()
+            return self._shells[device_index]
+
+    def _make_shell(self) -> nn.Module:
+        memo: dict[int, object] = {}
+        for tensor in list(self.module.parameters(recurse=True)):
+            memo[id(tensor)] = nn.Parameter(
+                torch.empty_like(tensor, device="meta"), requires_grad=tensor.requires_grad
+            )
+        for tensor in self.module.buffers(recurse=True):
+            memo[id(tensor)] = torch.empty_like(tensor, device="meta")
+        return copy.deepcopy(self.module, memo)
+
+    def bind(
+        self,
+        shell: nn.Module,
+        params: dict[int, torch.Tensor],
+        buffers: dict[int, torch.Tensor],
+        check_on_device=None,
+    ) -> None:
+        """Point the shell's parameters and buffers at device tensors (by host uid)."""
+        for shell_module, host_module in zip(shell.modules(), self.module.modules(), strict=True):
+            shell_module.training = host_module.training
+        for slot in self.param_slots:
+            tensor = params[slot.uid]
+            if check_on_device is not None and not check_on_device(tensor):
+                raise RoundPipeError(
+                    f"{self}: parameter {slot.path or '.'}:{slot.name} is not in device "
+                    "memory (its upload is missing)"
+                )
+            shell.get_submodule(slot.path)._parameters[slot.name] = tensor
+        for slot in self.buffer_slots:
+            shell.get_submodule(slot.path)._buffers[slot.name] = buffers[slot.uid]
+
+    def host_buffers(self) -> dict[int, torch.Tensor]:
+        """The layer's buffers in host memory, by uid."""
+        return {id(b): b for b in self.module.buffers()}
+
+
+def sequential_layers(model: nn.Module) -> list[LayerBinding]:
+    """Each child of an ``nn.Sequential`` is a layer; any other module is one layer."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(
+            f"RoundPipe wraps a torch.nn.Module (ideally an nn.Sequential of layers), "
+            f"got {type(model).__name__}"
+        )
+    if isinstance(model, nn.Sequential):
+        named = list(model.named_children())
+        if not named:
+            raise ValueError("the nn.Sequential given to RoundPipe has no layers")
+    else:
+        named = [(type(model).__name__, model)]
+    return [LayerBinding(i, name, module) for i, (name, module) in enumerate(named)]

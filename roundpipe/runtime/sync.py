@@ -1,0 +1,118 @@
+"""Host-side synchronization between device workers, the optimizer thread and callers.
+
+Device-side ordering is done with stream events; these objects only order the
+*issuing* of work on the host: a consumer learns which event to wait on once the
+producer has issued its work (:class:`Mailbox`), a worker learns a layer's weights
+were published (:class:`VersionGate`), a caller learns every job of a call is done
+(:class:`Latch`). Every wait can be failed, so an error never becomes a hang.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Hashable
+from dataclasses import dataclass
+from typing import Any
+
+from ..devices import Event, Slot
+
+
+@dataclass
+class Handoff:
+    """A value produced by one job for another: read ``slot.value`` after ``event``."""
+
+    slot: Slot
+    event: Event | None  # None: the value is already complete in host memory
+    meta: Any = None
+
+
+class Mailbox:
+    """Keyed handoffs between jobs. Each key is read by a known number of readers."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._items: dict[Hashable, Handoff | BaseException] = {}
+        self._readers: dict[Hashable, int] = {}
+
+    def expect(self, key: Hashable, readers: int) -> None:
+        with self._cond:
+            self._readers[key] = self._readers.get(key, 0) + readers
+
+    def post(self, key: Hashable, handoff: Handoff) -> None:
+        with self._cond:
+            self._items.setdefault(key, handoff)
+            self._cond.notify_all()
+
+    def fail(self, key: Hashable, error: BaseException) -> None:
+        """Make readers of ``key`` raise ``error`` (unless it was already posted)."""
+        with self._cond:
+            self._items.setdefault(key, error)
+            self._cond.notify_all()
+
+    def get(self, key: Hashable) -> Handoff:
+        with self._cond:
+            while key not in self._items:
+                self._cond.wait()
+            item = self._items[key]
+            remaining = self._readers.get(key, 1) - 1
+            if remaining <= 0:
+                self._items.pop(key)
+                self._readers.pop(key, None)
+            else:
+                self._readers[key] = remaining
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+
+class VersionGate:
+    """A counter that threads wait to reach, e.g. 'weights version 3 published'."""
+
+    def __init__(self, value: int = 0) -> None:
+        self._cond = threading.Condition()
+        self._value = value
+
+    @property
+    def value(self) -> int:
+        return self._value
+
+    def wait_for(self, value: int) -> None:
+        with self._cond:
+            while self._value < value:
+                self._cond.wait()
+
+    def advance_to(self, value: int) -> None:
+        with self._cond:
+            self._value = max(self._value, value)
+            self._cond.notify_all()
+
+
+class Latch:
+    """Counts down finished jobs of a call and keeps the first error."""
+
+    def __init__(self, count: int) -> None:
+        self._cond = threading.Condition()
+        self._count = count
+        self.error: BaseException | None = None
+
+    def count_down(self, error: BaseException | None = None) -> None:
+        with self._cond:
+            if error is not None and self.error is None:
+                self.error = error
+            self._count -= 1
+            self._cond.notify_all()
+
+    def fail(self, error: BaseException) -> None:
+        with self._cond:
+            if self.error is None:
+                self.error = error
+
+    def wait(self) -> BaseException | None:
+        with self._cond:
+            while self._count > 0:
+                self._cond.wait()
+            return self.error
+
+    @property
+    def done(self) -> bool:
+        return self._count <= 0

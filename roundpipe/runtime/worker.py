@@ -1,0 +1,492 @@
+"""A device worker: the host thread that issues stage jobs to one device's streams.
+
+Jobs arrive in schedule order. For each job the worker issues, without waiting on
+the device: the weight upload (chunked, behind at most one stage in flight), then
+per microbatch the activation upload, the compute op and the download, each
+ordered by events (DESIGN.md §4–§5). Host-side work that must follow device work
+(accumulating downloaded gradients, writing back buffers, noting a job finished)
+goes to the worker's *completer* thread, which waits on the events first.
+"""
+
+from __future__ import annotations
+
+import collections
+import queue
+import threading
+from collections.abc import Callable
+
+import torch
+
+from ..devices import Device, Event, OpInfo, Slot
+from ..errors import failure_site, locate
+from ..schedule import Job, JobKind
+from .call import Call
+from .layers import LayerBinding
+from .params import ParameterStore
+from .sync import Handoff, VersionGate
+from .transfer import download_tree, grads_of_inputs, pair_outputs_with_grads, upload_tree
+
+_STOP = object()
+
+
+class DeviceWorker:
+    """Issues jobs to one device; owns a completer thread for host-side follow-ups."""
+
+    def __init__(
+        self,
+        device: Device,
+        layers: list[LayerBinding],
+        store: ParameterStore,
+        buffer_gates: dict[int, VersionGate],
+    ) -> None:
+        self.device = device
+        self.layers = layers
+        self.store = store
+        self.buffer_gates = buffer_gates
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._followups: queue.SimpleQueue = queue.SimpleQueue()
+        self._threads: list[threading.Thread] = []
+        # Events marking the end of this device's last jobs and compute ops, used to
+        # bound prefetch: weights one stage ahead, activations one microbatch ahead.
+        self._job_ends: collections.deque[Event] = collections.deque(maxlen=2)
+        self._compute_marks: collections.deque[Event] = collections.deque(maxlen=2)
+
+    # -- threads ---------------------------------------------------------------------
+
+    def start(self) -> None:
+        if self._threads:
+            return
+        for target, role in ((self._issue_loop, "issue"), (self._followup_loop, "complete")):
+            thread = threading.Thread(
+                target=target, name=f"roundpipe-{self.device!r}-{role}", daemon=True
+            )
+            thread.start()
+            self._threads.append(thread)
+
+    def stop(self) -> None:
+        if self._threads:
+            self._jobs.put(_STOP)
+            self._threads[0].join()
+            self._followups.put(_STOP)
+            self._threads[1].join()
+            self._threads = []
+
+    def submit(self, call: Call, job: Job) -> None:
+        self.start()
+        self._jobs.put((call, job))
+
+    def after(self, events: list[Event], fn: Callable[[], None], on_error=None) -> None:
+        """Run ``fn`` on the completer thread once ``events`` completed."""
+        self._followups.put((events, fn, on_error))
+
+    def _followup_loop(self) -> None:
+        while True:
+            item = self._followups.get()
+            if item is _STOP:
+                return
+            events, fn, on_error = item
+            try:
+                for event in events:
+                    event.synchronize()
+            except BaseException as exc:  # noqa: BLE001 - handed to the call
+                if on_error is not None:
+                    on_error(exc)
+                continue
+            try:
+                fn()
+            except BaseException as exc:  # noqa: BLE001 - handed to the call
+                if on_error is not None:
+                    on_error(exc)
+
+    def _issue_loop(self) -> None:
+        while True:
+            item = self._jobs.get()
+            if item is _STOP:
+                return
+            call, job = item
+            error: BaseException | None = None
+            try:
+                _JobIssuer(self, call, job).issue()
+            except BaseException as exc:  # noqa: BLE001 - handed to the call
+                error = locate(exc, f"{_job_name(job)} on device {self.device!r}")
+                call.fail_outputs(job, error)
+                self._open_buffer_gates(call, job)
+            self._finish(call, job, error)
+
+    def _open_buffer_gates(self, call: Call, job: Job) -> None:
+        if job.kind is not JobKind.BACKWARD:
+            for index in job.layers:
+                if index in self.buffer_gates:
+                    self.buffer_gates[index].advance_to(call.seq + 1)
+
+    def _finish(self, call: Call, job: Job, error: BaseException | None) -> None:
+        ends = [stream.record() for stream in self.device.streams.values()]
+        self._job_ends.append(ends[0])
+
+        def done() -> None:
+            call.latch.count_down(error)
+
+        self.after(ends, done, on_error=lambda exc: call.latch.count_down(error or exc))
+
+
+def _job_name(job: Job) -> str:
+    kind = {JobKind.FORWARD: "forward", JobKind.FUSED: "fused", JobKind.BACKWARD: "backward"}
+    return f"{kind[job.kind]} stage {job.stage} (layers {job.layers.start}-{job.layers.stop - 1})"
+
+
+class _JobIssuer:
+    """Issues one job's stream ops. Lives only while the job is being issued."""
+
+    def __init__(self, worker: DeviceWorker, call: Call, job: Job) -> None:
+        self.worker = worker
+        self.device = worker.device
+        self.call = call
+        self.job = job
+        self.name = _job_name(job)
+        self.mailbox = call.mailbox
+        self.weights = Slot()  # (params by uid, buffers by uid) on the device
+        self.training = job.kind is not JobKind.FORWARD
+
+    # -- the three job kinds ----------------------------------------------------------
+
+    def issue(self) -> None:
+        self.upload_weights()
+        if self.job.kind is JobKind.FORWARD:
+            for m in range(self.call.num_microbatches):
+                self.forward_microbatch(m)
+            self.write_back_buffers()
+        elif self.job.kind is JobKind.FUSED:
+            for m in range(self.call.num_microbatches):
+                self.fused_microbatch(m)
+            self.write_back_buffers()
+            self.download_param_grads()
+        else:
+            for m in range(self.call.num_microbatches):
+                if self.call.recompute_grain == "layer":
+                    self.backward_microbatch_by_layer(m)
+                else:
+                    self.backward_microbatch(m)
+            self.download_param_grads()
+        self.device.compute.submit(self.release, OpInfo("release", self.name))
+
+    def forward_microbatch(self, m: int) -> None:
+        job, call = self.job, self.call
+        value = self.upload_input(("act", job.layers.start, m), requires_grad=False)
+        saves = {i: Slot() for i in call.forward_saves(job)}
+        output = Slot()
+        rng = {i: Slot() for i in call.rng_layers(job)}
+
+        def forward() -> None:
+            x = value.value
+            value.value = None
+            with torch.no_grad(), call.autocast.scope():
+                for i in job.layers:
+                    if i in rng:
+                        rng[i].value = self.device.get_rng_state()
+                    if i in saves:
+                        saves[i].value = x
+                    x = self.run_layer(i, x, m)
+            output.value = x
+
+        self.compute(forward, "forward", m)
+        computed = self.mark_compute()
+        for i, slot in rng.items():
+            self.mailbox.post(("rng", i, m), Handoff(slot, computed))
+        for i, slot in [*saves.items(), (job.layers.stop, output)]:
+            self.mailbox.post(("act", i, m), self.download(slot, computed, f"act {i}", m))
+
+    def fused_microbatch(self, m: int) -> None:
+        job, call = self.job, self.call
+        value = self.upload_input(("act", job.layers.start, m), requires_grad=True, label=m)
+        loss_slot, out_slot, grad_slot = Slot(), Slot(), Slot()
+
+        def fused() -> None:
+            (args, kwargs), label = value.value
+            value.value = None
+            inputs = (args, kwargs)
+            with torch.enable_grad():
+                with call.autocast.scope():
+                    x = inputs
+                    for i in job.layers:
+                        x = self.run_layer(i, x, m)
+                    with failure_site(f"loss_fn on microbatch {m}"):
+                        loss = call.loss_fn(x[0][0], label)
+                        _check_loss(loss)
+                if loss.requires_grad:
+                    with failure_site(f"{self.name}, backward of microbatch {m}"):
+                        loss.backward()
+            loss_slot.value = loss.detach()
+            if call.return_outputs:
+                out_slot.value = x[0][0]
+            if job.layers.start > 0:
+                grad_slot.value = grads_of_inputs(inputs)
+
+        self.compute(fused, "fused", m)
+        computed = self.mark_compute()
+        self.mailbox.post(("loss", m), self.download(loss_slot, computed, "loss", m))
+        if call.return_outputs:
+            self.mailbox.post(("out", m), self.download(out_slot, computed, "output", m))
+        else:
+            self.mailbox.post(("out", m), Handoff(Slot(), None))
+        if job.layers.start > 0:
+            key = ("grad", job.layers.start, m)
+            self.mailbox.post(key, self.download(grad_slot, computed, "grad", m))
+
+    def backward_microbatch(self, m: int) -> None:
+        self.backward_layers(self.job.layers, m, self.fetch_grad(self.job.layers.stop, m))
+
+    def backward_microbatch_by_layer(self, m: int) -> None:
+        grad: Slot | Callable[[], Slot] = lambda: self.fetch_grad(self.job.layers.stop, m)
+        for i in reversed(self.job.layers):
+            grad = self.backward_layers(range(i, i + 1), m, grad, post=i == self.job.layers.start)
+
+    def backward_layers(self, layers: range, m: int, grad, post: bool = True) -> Slot:
+        """Recompute ``layers`` for microbatch ``m``, then run their backward.
+
+        The recompute needs only the saved input, so it is issued before waiting for
+        the incoming gradient (``grad``: a slot on the device, or a function that
+        fetches it from the mailbox).
+        """
+        call = self.call
+        start = layers.start
+        value = self.upload_input(("act", start, m), requires_grad=start > 0)
+        rng = None
+        if call.preserve_rng_state:
+            rng = self.mailbox.get(("rng", start, m))
+            self.device.compute.wait(rng.event)
+        graph = Slot()
+
+        def recompute() -> None:
+            inputs = value.value
+            value.value = None
+            with torch.enable_grad(), call.autocast.scope():
+                current = self.device.get_rng_state() if rng is not None else None
+                if rng is not None:
+                    self.device.set_rng_state(rng.slot.value)
+                try:
+                    x = inputs
+                    for i in layers:
+                        x = self.run_layer(i, x, m)
+                finally:
+                    if current is not None:
+                        self.device.set_rng_state(current)
+            graph.value = (inputs, x)
+
+        self.compute(recompute, "recompute", m, layers)
+        if callable(grad):
+            grad = grad()
+        input_grads = Slot()
+
+        def backward() -> None:
+            inputs, outputs = graph.value
+            graph.value = None
+            incoming = grad.value
+            grad.value = None
+            tensors, grads = pair_outputs_with_grads(outputs, incoming)
+            if tensors:
+                torch.autograd.backward(tensors, grads)
+            input_grads.value = grads_of_inputs(inputs) if start > 0 else None
+
+        self.compute(backward, "backward", m, layers)
+        if post and start > 0:
+            computed = self.mark_compute()
+            self.mailbox.post(("grad", start, m), self.download(input_grads, computed, "grad", m))
+        return input_grads
+
+    def fetch_grad(self, layer: int, m: int) -> Slot:
+        handoff = self.mailbox.get(("grad", layer, m))
+        return self.upload(handoff, f"grad {layer}", m, requires_grad=False)
+
+    # -- weights -------------------------------------------------------------------------
+
+    def upload_weights(self) -> None:
+        store, device, stream = self.worker.store, self.device, self.device.weight_upload
+        store.published.wait_for(self.call.weights_version)
+        layers = [self.worker.layers[i] for i in self.job.layers]
+        if self.job.kind is not JobKind.BACKWARD:
+            for layer in layers:
+                if layer.index in self.worker.buffer_gates:
+                    self.worker.buffer_gates[layer.index].wait_for(self.call.seq)
+        if len(self.worker._job_ends) == 2:
+            stream.wait(self.worker._job_ends[0])  # at most two stages of weights resident
+        uids = list(dict.fromkeys(uid for layer in layers for uid in layer.param_uids))
+        buffers = {uid: t for layer in layers for uid, t in layer.host_buffers().items()}
+        params: dict[int, torch.Tensor] = {}
+        on_device: dict[int, torch.Tensor] = {}
+        self.weights.value = (params, on_device)
+        version = self.call.weights_version
+        for chunk in _chunks(uids, store, version, self.call.chunk_bytes):
+
+            def upload_chunk(chunk=chunk) -> None:
+                with failure_site(f"{self.name}: weight upload on device {device!r}"):
+                    for uid in chunk:
+                        tensor = device.to_device(store.entries[uid].upload_source(version), stream)
+                        tensor.requires_grad_(self.training and store.trainable(uid))
+                        device.keep_alive(tensor, device.compute)
+                        params[uid] = tensor
+
+            nbytes = sum(_nbytes(store.entries[uid].param) for uid in chunk)
+            stream.submit(upload_chunk, OpInfo("upload", f"weights {self.name}", nbytes))
+
+        def upload_buffers() -> None:
+            with failure_site(f"{self.name}: buffer upload on device {device!r}"):
+                for uid, host in buffers.items():
+                    on_device[uid] = device.to_device(host, stream)
+                    device.keep_alive(on_device[uid], device.compute)
+
+        if buffers:
+            stream.submit(upload_buffers, OpInfo("upload", f"buffers {self.name}"))
+        device.compute.wait(stream.record())
+
+    def write_back_buffers(self) -> None:
+        layers = [self.worker.layers[i] for i in self.job.layers]
+        gated = [layer.index for layer in layers if layer.index in self.worker.buffer_gates]
+        if not gated:
+            return
+        hosts = {uid: t for layer in layers for uid, t in layer.host_buffers().items()}
+        on_device = Slot()
+
+        def take() -> None:
+            on_device.value = dict(self.weights.value[1])
+
+        self.device.compute.submit(take, OpInfo("bookkeeping", self.name))
+        downloaded = self.download(on_device, self.mark_compute(), "buffers", None)
+
+        def write() -> None:
+            with torch.no_grad():
+                for uid, tensor in downloaded.slot.value.items():
+                    hosts[uid].copy_(tensor)
+
+        def open_gates(error: BaseException | None = None) -> None:
+            for index in gated:
+                self.worker.buffer_gates[index].advance_to(self.call.seq + 1)
+
+        self.worker.after([downloaded.event], lambda: (write(), open_gates()), open_gates)
+
+    def download_param_grads(self) -> None:
+        store = self.worker.store
+        grads = Slot()
+
+        def take() -> None:
+            params = self.weights.value[0]
+            grads.value = {
+                uid: t.grad for uid, t in params.items() if store.trainable(uid) and t.grad is not None
+            }
+
+        self.device.compute.submit(take, OpInfo("bookkeeping", self.name))
+        downloaded = self.download(grads, self.mark_compute(), "param grads", None)
+
+        def accumulate() -> None:
+            for uid, grad in downloaded.slot.value.items():
+                store.accumulate_grad(uid, grad)
+
+        call = self.call
+        self.worker.after([downloaded.event], accumulate, on_error=call.latch.fail)
+
+    def release(self) -> None:
+        self.weights.value = None
+
+    # -- activations -------------------------------------------------------------------
+
+    def upload_input(self, key: tuple, requires_grad: bool, label: int | None = None) -> Slot:
+        handoff = self.mailbox.get(key)
+        slot = self.upload(handoff, f"act {key[1]}", key[2], requires_grad)
+        if label is None:
+            return slot
+        labelled = Slot()
+        host_label = self.call.labels[label] if self.call.labels is not None else None
+        device, stream = self.device, self.device.act_upload
+
+        def attach() -> None:
+            labelled.value = (slot.value, upload_tree(device, stream, host_label, False))
+            slot.value = None
+
+        stream.submit(attach, OpInfo("upload", "label", critical=True))
+        self.device.compute.wait(stream.record())
+        return labelled
+
+    def upload(self, handoff: Handoff, what: str, m: int, requires_grad: bool) -> Slot:
+        device, stream = self.device, self.device.act_upload
+        if handoff.event is not None:
+            stream.wait(handoff.event)
+        marks = self.worker._compute_marks
+        if len(marks) == 2:
+            stream.wait(marks[0])  # at most one microbatch uploaded ahead of compute
+        slot = Slot()
+
+        def upload() -> None:
+            with failure_site(f"{self.name}: upload of {what}, microbatch {m}"):
+                slot.value = upload_tree(device, stream, handoff.slot.value, requires_grad)
+
+        stream.submit(upload, OpInfo("upload", f"{what} mb{m}", critical=True))
+        self.device.compute.wait(stream.record())
+        return slot
+
+    def download(self, slot: Slot, after: Event, what: str, m: int | None) -> Handoff:
+        device, stream = self.device, self.device.download
+        stream.wait(after)
+        host = Slot()
+
+        def download() -> None:
+            with failure_site(f"{self.name}: download of {what}, microbatch {m}"):
+                host.value = download_tree(device, stream, slot.value)
+                slot.value = None
+
+        stream.submit(download, OpInfo("download", f"{what} mb{m}"))
+        return Handoff(host, stream.record())
+
+    # -- compute -------------------------------------------------------------------------
+
+    def compute(self, fn: Callable[[], None], kind: str, m: int, layers: range | None = None):
+        layers = layers if layers is not None else self.job.layers
+        info = OpInfo(kind, f"{self.name} mb{m}", layers=tuple(layers))
+        device = self.device
+
+        def op() -> None:
+            with failure_site(f"{self.name}, {kind} of microbatch {m}"):
+                with device.compute_scope(info):
+                    fn()
+
+        device.compute.submit(op, info)
+
+    def mark_compute(self) -> Event:
+        event = self.device.compute.record()
+        self.worker._compute_marks.append(event)
+        return event
+
+    def run_layer(self, index: int, value, m: int):
+        layer = self.worker.layers[index]
+        params, buffers = self.weights.value
+        shell = layer.shell(self.device.index)
+        layer.bind(shell, params, buffers, check_on_device=self.device.is_on_device)
+        args, kwargs = value
+        with failure_site(f"{layer} in {self.name}, microbatch {m}"):
+            return ((shell(*args, **kwargs),), {})
+
+
+def _check_loss(loss) -> None:
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        raise TypeError(
+            f"loss_fn must return a scalar tensor, got {type(loss).__name__}"
+            + (f" of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else "")
+        )
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+def _chunks(uids: list[int], store: ParameterStore, version: int, limit: int | None):
+    """Group parameters into upload chunks of at most ``limit`` bytes (one if None)."""
+    if limit is None:
+        return [uids] if uids else []
+    chunks: list[list[int]] = []
+    size = 0
+    for uid in uids:
+        nbytes = _nbytes(store.entries[uid].upload_source(version))
+        if not chunks or size + nbytes > limit:
+            chunks.append([])
+            size = 0
+        chunks[-1].append(uid)
+        size += nbytes
+    return chunks

@@ -1,0 +1,131 @@
+"""A plan lowered to an ordered list of stage jobs: the one schedule two consumers share.
+
+The runtime executes this list and the simulator (``roundpipe.sim``) replays it
+with a cost model, so both agree by construction on which device runs which job
+(DESIGN.md §10). A job is one stage for *all* microbatches of a call; job ``j``
+runs on device ``(first_device + j) mod N`` (round-robin dispatch, §2).
+
+Per microbatch, every job depends on the job before it (its input activation or
+incoming gradient). A backward stage also depends on the forward job that saved
+its input (for recompute); the fused stage needs no recompute.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from .plan import Plan
+
+
+class JobKind(enum.Enum):
+    FORWARD = "F"
+    FUSED = "X"  # forward + loss + backward, no recompute
+    BACKWARD = "B"  # recompute + backward
+
+
+@dataclass(frozen=True)
+class Job:
+    """One stage job: a stage of the plan run for every microbatch on one device."""
+
+    index: int
+    kind: JobKind
+    stage: int
+    layers: range
+    device: int
+    input_from: int | None
+    """Job whose per-microbatch output this job consumes (activation or gradient)."""
+    saved_input_from: int | None
+    """Forward job that saves this backward stage's input for recompute."""
+
+    def __str__(self) -> str:
+        return f"{self.kind.value}{self.stage}@{self.device}[{self.layers.start}:{self.layers.stop}]"
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """The ordered jobs of one ``forward_backward`` call."""
+
+    plan: Plan
+    num_devices: int
+    first_device: int
+    jobs: tuple[Job, ...]
+
+    @property
+    def next_device(self) -> int:
+        """Where the round-robin cursor stands after this call's jobs."""
+        return (self.first_device + len(self.jobs)) % self.num_devices
+
+    @property
+    def forward_jobs(self) -> tuple[Job, ...]:
+        return tuple(j for j in self.jobs if j.kind is JobKind.FORWARD)
+
+    @property
+    def backward_jobs(self) -> tuple[Job, ...]:
+        return tuple(j for j in self.jobs if j.kind is not JobKind.FORWARD)
+
+    def saved_boundaries(self) -> frozenset[int]:
+        """Layer indices whose input the forward pass keeps for recompute (stage grain)."""
+        return frozenset(j.layers.start for j in self.jobs if j.kind is JobKind.BACKWARD)
+
+    def devices_of(self) -> list[int]:
+        return [j.device for j in self.jobs]
+
+    def __str__(self) -> str:
+        return " ".join(str(j) for j in self.jobs)
+
+
+def lower(plan: Plan, num_devices: int, first_device: int = 0) -> Schedule:
+    """Lower ``plan`` to the ordered job list for a pool of ``num_devices`` devices."""
+    if num_devices < 1:
+        raise ValueError(f"num_devices must be at least 1, got {num_devices}")
+    plan.validate(plan.num_layers)
+    first_device %= num_devices
+    jobs: list[Job] = []
+    forward_job_of_layer: dict[int, int] = {}
+
+    def add(kind: JobKind, stage: int, layers: range, saved_from: int | None) -> None:
+        index = len(jobs)
+        jobs.append(
+            Job(
+                index=index,
+                kind=kind,
+                stage=stage,
+                layers=layers,
+                device=(first_device + index) % num_devices,
+                input_from=index - 1 if index else None,
+                saved_input_from=saved_from,
+            )
+        )
+
+    for stage, layers in enumerate(plan.forward_ranges()):
+        for layer in layers:
+            forward_job_of_layer[layer] = len(jobs)
+        add(JobKind.FORWARD, stage, layers, None)
+    for stage, layers in enumerate(plan.backward_ranges()):
+        if stage == 0:
+            add(JobKind.FUSED, stage, layers, None)
+        else:
+            add(JobKind.BACKWARD, stage, layers, forward_job_of_layer[layers.start])
+    return Schedule(plan=plan, num_devices=num_devices, first_device=first_device, jobs=tuple(jobs))
+
+
+def lower_forward_only(plan: Plan, num_devices: int, first_device: int = 0) -> Schedule:
+    """Forward jobs over every layer (the fused stage run as one more forward stage)."""
+    if num_devices < 1:
+        raise ValueError(f"num_devices must be at least 1, got {num_devices}")
+    first_device %= num_devices
+    ranges = [*plan.forward_ranges(), plan.fused_range()]
+    jobs = tuple(
+        Job(
+            index=i,
+            kind=JobKind.FORWARD,
+            stage=i,
+            layers=layers,
+            device=(first_device + i) % num_devices,
+            input_from=i - 1 if i else None,
+            saved_input_from=None,
+        )
+        for i, layers in enumerate(ranges)
+    )
+    return Schedule(plan=plan, num_devices=num_devices, first_device=first_device, jobs=jobs)
