@@ -1,0 +1,83 @@
+"""Plain-PyTorch reference training, the oracle every RoundPipe test compares against."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+
+def mse_sum(output: torch.Tensor, label: torch.Tensor) -> torch.Tensor:
+    return ((output - label) ** 2).sum()
+
+
+def mlp(seed: int = 0, width: int = 16, depth: int = 6, inputs: int = 8, outputs: int = 4):
+    """``depth`` layers alternating Linear and Tanh, ending with a Linear."""
+    torch.manual_seed(seed)
+    layers: list[nn.Module] = [nn.Linear(inputs, width)]
+    for _ in range(depth - 2):
+        layers += [nn.Tanh()] if isinstance(layers[-1], nn.Linear) else [nn.Linear(width, width)]
+    layers.append(nn.Linear(width, outputs))
+    return nn.Sequential(*layers)
+
+
+def batch(seed: int = 1, size: int = 13, inputs: int = 8, outputs: int = 4):
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(size, inputs, generator=generator), torch.randn(
+        size, outputs, generator=generator
+    )
+
+
+def reference_loss_and_grads(
+    model: nn.Module, x, y, num_microbatch: int, loss_fn: Callable = mse_sum
+) -> torch.Tensor:
+    """Sum of microbatch losses; leaves the summed gradients in ``model``'s ``.grad``."""
+    total = torch.zeros(())
+    for xm, ym in zip(torch.tensor_split(x, num_microbatch), torch.tensor_split(y, num_microbatch)):
+        loss = loss_fn(model(xm), ym)
+        loss.backward()
+        total = total + loss.detach()
+    return total
+
+
+def train_reference(
+    model: nn.Module,
+    batches: list,
+    num_microbatch: int,
+    make_optimizer: Callable,
+    stale: bool = False,
+) -> tuple[nn.Module, list[float]]:
+    """Train a copy of ``model``; with ``stale``, gradients use the weights one step older."""
+    model = copy.deepcopy(model)
+    optimizer = make_optimizer(model.parameters())
+    losses = []
+    previous = copy.deepcopy(model)
+    for x, y in batches:
+        grad_model = previous if stale else model
+        grad_model.zero_grad()
+        losses.append(reference_loss_and_grads(grad_model, x, y, num_microbatch).item())
+        snapshot = copy.deepcopy(model)
+        for p, g in zip(model.parameters(), grad_model.parameters(), strict=True):
+            p.grad = None if g.grad is None else g.grad.clone()
+        optimizer.step()
+        optimizer.zero_grad()
+        previous = snapshot
+    return model, losses
+
+
+def assert_grads_close(wrapped: nn.Module, reference: nn.Module, atol: float = 1e-5) -> None:
+    pairs = zip(wrapped.named_parameters(), reference.named_parameters(), strict=True)
+    for (name, got), (_, want) in pairs:
+        if want.grad is None:
+            assert got.grad is None or not got.grad.any(), f"{name}: unexpected gradient"
+            continue
+        assert got.grad is not None, f"{name}: gradient missing"
+        torch.testing.assert_close(got.grad, want.grad, atol=atol, rtol=1e-5, msg=name)
+
+
+def assert_weights_close(wrapped: nn.Module, reference: nn.Module, atol: float = 1e-5) -> None:
+    pairs = zip(wrapped.named_parameters(), reference.named_parameters(), strict=True)
+    for (name, got), (_, want) in pairs:
+        torch.testing.assert_close(got.detach(), want.detach(), atol=atol, rtol=1e-5, msg=name)
