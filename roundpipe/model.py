@@ -127,7 +127,12 @@ class RoundPipe(nn.Module):
         labels = self._split_label(config, label, num, input_args, input_kwargs)
         plan = self._plan_for(config)
         call = self._start_call(
-            lower(plan, len(self.pool), self._cursor), inputs, config, loss_fn, labels, return_outputs
+            lower(plan, len(self.pool), self._cursor),
+            inputs,
+            config,
+            loss_fn,
+            labels,
+            return_outputs,
         )
         try:
             losses = [self._read(call, ("loss", m)) for m in range(num)]
@@ -330,6 +335,7 @@ class RoundPipe(nn.Module):
             labels=labels,
             return_outputs=return_outputs,
             seq=self._seq,
+            steps_before=self._steps,
             forward_only=forward_only,
         )
         self._seq += 1

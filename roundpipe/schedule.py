@@ -39,7 +39,9 @@ class Job:
     """Forward job that saves this backward stage's input for recompute."""
 
     def __str__(self) -> str:
-        return f"{self.kind.value}{self.stage}@{self.device}[{self.layers.start}:{self.layers.stop}]"
+        return (
+            f"{self.kind.value}{self.stage}@{self.device}[{self.layers.start}:{self.layers.stop}]"
+        )
 
 
 @dataclass(frozen=True)

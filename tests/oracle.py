@@ -35,7 +35,9 @@ def reference_loss_and_grads(
 ) -> torch.Tensor:
     """Sum of microbatch losses; leaves the summed gradients in ``model``'s ``.grad``."""
     total = torch.zeros(())
-    for xm, ym in zip(torch.tensor_split(x, num_microbatch), torch.tensor_split(y, num_microbatch)):
+    for xm, ym in zip(
+        torch.tensor_split(x, num_microbatch), torch.tensor_split(y, num_microbatch), strict=False
+    ):
         loss = loss_fn(model(xm), ym)
         loss.backward()
         total = total + loss.detach()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import time
 
 import pytest
 import torch
@@ -93,8 +94,9 @@ def test_synchronous_steps_train_exactly_like_pytorch(make_optimizer):
         assert_weights_close(wrapped.model, reference)
 
 
-@pytest.mark.parametrize("jitter", [0.0, 0.002])
-def test_asynchronous_steps_train_with_exactly_one_step_stale_weights(jitter):
+@pytest.mark.parametrize("jitter, slow_step", [(0.0, 0.0), (0.002, 0.0), (0.0, 0.05)])
+def test_asynchronous_steps_train_with_exactly_one_step_stale_weights(jitter, slow_step):
+    """A slow step_fn makes the next call's gradients arrive while the step still runs."""
     model = mlp()
     batches = [batch(seed) for seed in range(5)]
     reference, reference_losses = train_reference(model, batches, 3, adam, stale=True)
@@ -110,7 +112,7 @@ def test_asynchronous_steps_train_with_exactly_one_step_stale_weights(jitter):
         losses = []
         for x, y in batches:
             losses.append(wrapped.forward_backward((x,), label=y, loss_fn=mse_sum).item())
-            wrapped.step(lambda: (optimizer.step(), optimizer.zero_grad()))
+            wrapped.step(lambda: (time.sleep(slow_step), optimizer.step(), optimizer.zero_grad()))
         wrapped.synchronize()
         assert losses == pytest.approx(reference_losses, rel=1e-5)
         assert_weights_close(wrapped.model, reference)

@@ -47,7 +47,9 @@ def make_pool(
         try:
             count = int(rest) if rest else 2
         except ValueError:
-            raise ValueError(f"bad device spec {spec!r}: write 'emulated:N', e.g. 'emulated:4'") from None
+            raise ValueError(
+                f"bad device spec {spec!r}: write 'emulated:N', e.g. 'emulated:4'"
+            ) from None
         return EmulatedDevicePool(count, emulated_options)
     if kind == "cuda":
         from .cuda import CudaDevicePool  # imported lazily: touches CUDA
@@ -61,7 +63,9 @@ def make_pool(
             indices = [int(i) for i in rest.split(",")] if rest else None
         except ValueError:
             raise ValueError(f"bad device spec {spec!r}: write 'cuda' or 'cuda:0,2'") from None
-        return CudaDevicePool(indices if indices is not None else list(range(torch.cuda.device_count())))
+        return CudaDevicePool(
+            indices if indices is not None else list(range(torch.cuda.device_count()))
+        )
     raise ValueError(f"unknown device spec {spec!r}: use 'cuda', 'cuda:0,2' or 'emulated:N'")
 
 

@@ -189,5 +189,7 @@ class CudaDevicePool(DevicePool):
         for device, name, info, start, end in self._pending:
             origin, origin_wall = self._origin[device]
             begin = origin_wall + origin.elapsed_time(start) / 1e3
-            spans.append(SpanRecord(device, name, info, begin, begin + start.elapsed_time(end) / 1e3))
+            spans.append(
+                SpanRecord(device, name, info, begin, begin + start.elapsed_time(end) / 1e3)
+            )
         return spans

@@ -25,6 +25,7 @@ import torch
 from ..schedule import Job, JobKind, Schedule
 from .sync import Latch, Mailbox
 
+
 @dataclass
 class AutocastState:
     """The caller's autocast settings, re-entered on the threads that run layers."""
@@ -59,6 +60,8 @@ class Call:
     return_outputs: bool
     seq: int
     """Position of this call among its model's calls (orders buffer write-backs)."""
+    steps_before: int
+    """Optimizer steps queued before this call; its gradients wait until they ran."""
     forward_only: bool = False
     mailbox: Mailbox = field(default_factory=Mailbox)
     latch: Latch = field(init=False)
@@ -77,15 +80,11 @@ class Call:
             return frozenset()
         if self.recompute_grain == "layer":
             return frozenset(range(self.fused_start))
-        return frozenset(
-            j.layers.start for j in self.schedule.jobs if j.kind is JobKind.BACKWARD
-        )
+        return frozenset(j.layers.start for j in self.schedule.jobs if j.kind is JobKind.BACKWARD)
 
     def _expect_readers(self) -> None:
         starts = [
-            j.layers.start
-            for j in self.schedule.jobs
-            if j.kind in (JobKind.FORWARD, JobKind.FUSED)
+            j.layers.start for j in self.schedule.jobs if j.kind in (JobKind.FORWARD, JobKind.FUSED)
         ]
         for m in range(self.num_microbatches):
             for layer in set(starts) | self.recompute_inputs:

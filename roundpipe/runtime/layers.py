@@ -92,6 +92,13 @@ class LayerBinding:
         for slot in self.buffer_slots:
             shell.get_submodule(slot.path)._buffers[slot.name] = buffers[slot.uid]
 
+    def unbind(self, shell: nn.Module) -> None:
+        """Drop the shell's references to device tensors so their memory can be freed."""
+        for slot in self.param_slots:
+            shell.get_submodule(slot.path)._parameters[slot.name] = None
+        for slot in self.buffer_slots:
+            shell.get_submodule(slot.path)._buffers[slot.name] = None
+
     def host_buffers(self) -> dict[int, torch.Tensor]:
         """The layer's buffers in host memory, by uid."""
         return {id(b): b for b in self.module.buffers()}

@@ -27,7 +27,9 @@ class OptimizerThread:
 
     def _ensure_started(self) -> None:
         if self._thread is None:
-            self._thread = threading.Thread(target=self._loop, name="roundpipe-optimizer", daemon=True)
+            self._thread = threading.Thread(
+                target=self._loop, name="roundpipe-optimizer", daemon=True
+            )
             self._thread.start()
 
     def step(self, step_fn: Callable[[], object], calls: list[Call], version: int) -> Future:

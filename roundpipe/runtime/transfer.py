@@ -73,5 +73,7 @@ def pair_outputs_with_grads(
             f"recompute produced {len(tensors)} tensors but {len(grads)} gradients came back; "
             "a layer's output structure differs between forward and recompute"
         )
-    pairs = [(t, g) for t, g in zip(tensors, grads, strict=True) if t.requires_grad and g is not None]
+    pairs = [
+        (t, g) for t, g in zip(tensors, grads, strict=True) if t.requires_grad and g is not None
+    ]
     return [t for t, _ in pairs], [g for _, g in pairs]

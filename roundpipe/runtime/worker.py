@@ -236,7 +236,9 @@ class _JobIssuer:
         self.backward_layers(self.job.layers, m, self.fetch_grad(self.job.layers.stop, m))
 
     def backward_microbatch_by_layer(self, m: int) -> None:
-        grad: Slot | Callable[[], Slot] = lambda: self.fetch_grad(self.job.layers.stop, m)
+        def grad():
+            return self.fetch_grad(self.job.layers.stop, m)
+
         for i in reversed(self.job.layers):
             grad = self.backward_layers(range(i, i + 1), m, grad, post=i == self.job.layers.start)
 
@@ -370,13 +372,17 @@ class _JobIssuer:
         def take() -> None:
             params = self.weights.value[0]
             grads.value = {
-                uid: t.grad for uid, t in params.items() if store.trainable(uid) and t.grad is not None
+                uid: t.grad
+                for uid, t in params.items()
+                if store.trainable(uid) and t.grad is not None
             }
 
         self.device.compute.submit(take, OpInfo("bookkeeping", self.name))
         downloaded = self.download(grads, self.mark_compute(), "param grads", None)
 
         def accumulate() -> None:
+            # The optimizer may still be consuming the previous step's gradients.
+            store.published.wait_for(self.call.steps_before)
             for uid, grad in downloaded.slot.value.items():
                 store.accumulate_grad(uid, grad)
 
@@ -443,9 +449,8 @@ class _JobIssuer:
         device = self.device
 
         def op() -> None:
-            with failure_site(f"{self.name}, {kind} of microbatch {m}"):
-                with device.compute_scope(info):
-                    fn()
+            with failure_site(f"{self.name}, {kind} of microbatch {m}"), device.compute_scope(info):
+                fn()
 
         device.compute.submit(op, info)
 
@@ -460,8 +465,11 @@ class _JobIssuer:
         shell = layer.shell(self.device.index)
         layer.bind(shell, params, buffers, check_on_device=self.device.is_on_device)
         args, kwargs = value
-        with failure_site(f"{layer} in {self.name}, microbatch {m}"):
-            return ((shell(*args, **kwargs),), {})
+        try:
+            with failure_site(f"{layer} in {self.name}, microbatch {m}"):
+                return ((shell(*args, **kwargs),), {})
+        finally:
+            layer.unbind(shell)
 
 
 def _check_loss(loss) -> None:

@@ -1,0 +1,52 @@
+"""Emulated device memory: at most about two stages of weights plus the working microbatch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from oracle import mse_sum
+from torch import nn
+
+from roundpipe import EmulatedOptions, RoundPipe, RoundPipeRunConfig
+
+WIDTH = 128
+LAYER_BYTES = (WIDTH * WIDTH + WIDTH) * 4
+PLAN = "2,2,2|2,2,2,2"  # every stage holds two layers
+STAGE_BYTES = 2 * LAYER_BYTES
+
+
+def wide_model():
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Linear(WIDTH, WIDTH) for _ in range(8)])
+
+
+def train(capacity=None, calls=2):
+    config = RoundPipeRunConfig(num_microbatch=5, execute_plan=PLAN)
+    options = EmulatedOptions(capacity_bytes=capacity)
+    x, y = torch.randn(10, WIDTH), torch.randn(10, WIDTH)
+    with RoundPipe(
+        wide_model(), devices="emulated:4", model_run_config=config, emulated_options=options
+    ) as wrapped:
+        for _ in range(calls):
+            wrapped.forward_backward((x,), label=y, loss_fn=mse_sum)
+        wrapped.synchronize()
+        return [(d.max_memory_allocated(), d.memory_allocated()) for d in wrapped.pool]
+
+
+def test_a_device_holds_at_most_two_stages_of_weights_plus_a_microbatch():
+    microbatch_bytes = 2 * WIDTH * 4 * 2  # input and incoming gradient of one microbatch
+    for peak, now in train():
+        assert peak <= 2 * STAGE_BYTES + 4 * microbatch_bytes
+        assert peak >= STAGE_BYTES  # something was really uploaded and counted
+        assert now == 0  # nothing leaks once the pipeline drained
+
+
+def test_training_fits_in_a_budget_of_two_stages_and_some_slack():
+    train(capacity=int(2.2 * STAGE_BYTES), calls=3)
+
+
+def test_an_over_budget_stage_raises_out_of_memory_naming_the_stage():
+    with pytest.raises(torch.OutOfMemoryError) as info:
+        train(capacity=STAGE_BYTES // 2)
+    message = str(info.value)
+    assert "forward stage 0" in message and "Try more microbatches" in message
