@@ -1,0 +1,6 @@
+#!/usr/bin/env bash
+# Lint and run the test suite (GPU-only tests skip themselves without CUDA).
+source "$(dirname "$0")/_venv.sh" dev
+.venv/bin/ruff check roundpipe tests examples bench
+.venv/bin/ruff format --check roundpipe tests examples bench
+exec .venv/bin/python -m pytest -q "$@"
