@@ -30,6 +30,8 @@ class RoundPipeRunConfig:
       splitting along dim 0 (``torch.tensor_split``) and merging (``torch.cat``).
     - ``weight_chunk_bytes``: weight uploads are cut into chunks of at most this size
       so activation uploads can pass them; ``None`` uploads a stage in one piece.
+    - ``prefetch_stages``: how many stages ahead a device uploads weights (1: a device
+      holds at most two stages' weights).
     """
 
     num_microbatch: int | None = None
@@ -40,6 +42,7 @@ class RoundPipeRunConfig:
     split_label: SplitLabel | None = None
     merge_output: MergeOutput | None = None
     weight_chunk_bytes: int | None = 256 * 2**20
+    prefetch_stages: int = 1
 
     def __post_init__(self) -> None:
         if self.num_microbatch is not None and (
@@ -54,6 +57,8 @@ class RoundPipeRunConfig:
             )
         if isinstance(self.execute_plan, str):
             object.__setattr__(self, "execute_plan", Plan.parse(self.execute_plan))
+        if not 1 <= self.prefetch_stages <= 4:
+            raise ValueError(f"prefetch_stages must be 1 to 4, got {self.prefetch_stages}")
         if self.weight_chunk_bytes is not None and self.weight_chunk_bytes < 1:
             raise ValueError(f"weight_chunk_bytes must be positive, got {self.weight_chunk_bytes}")
 

@@ -9,6 +9,7 @@ A RoundPipe model is driven from one thread at a time.
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from typing import Any
@@ -20,14 +21,17 @@ from .config import RoundPipeRunConfig
 from .devices import DevicePool, EmulatedOptions, Slot, make_pool
 from .errors import RoundPipeError
 from .microbatch import batch_size, merge_outputs, split_inputs, split_tree, tensor_leaves
-from .plan import Plan, default_plan
+from .plan import Plan
 from .runtime.call import AutocastState, Call
 from .runtime.layers import sequential_layers
 from .runtime.optimizer import OptimizerThread
 from .runtime.params import ParameterStore
+from .runtime.planner import AutoPlanner
+from .runtime.profiler import LayerProfiler
 from .runtime.sync import Handoff, VersionGate
 from .runtime.worker import DeviceWorker
 from .schedule import lower, lower_forward_only
+from .timeline import Span, Timeline
 
 PIN_MODES = ("alloc", "register", "off")
 
@@ -67,13 +71,20 @@ class RoundPipe(nn.Module):
             layers, names, optim_dtype, pin=lambda t: self.pool.pin(t, pin_model)
         )
         self._buffer_gates = {layer.index: VersionGate(0) for layer in layers if layer.buffer_uids}
+        self.profiler = LayerProfiler(
+            [sum(p.numel() for p in layer.module.parameters()) for layer in layers],
+            [
+                sum(p.numel() * p.element_size() for p in layer.module.parameters())
+                for layer in layers
+            ],
+        )
         self._workers = [
-            DeviceWorker(device, layers, self._store, self._buffer_gates) for device in self.pool
+            DeviceWorker(device, layers, self._store, self._buffer_gates, self.profiler)
+            for device in self.pool
         ]
         self._optimizer = OptimizerThread(self._store)
-        self._default_plan = default_plan(
-            [sum(p.numel() for p in layer.module.parameters()) for layer in layers]
-        )
+        capacities = [device.memory_capacity() for device in self.pool]
+        self.planner = AutoPlanner(self.profiler, None if None in capacities else capacities)
         self._cursor = 0
         self._seq = 0
         self._steps = 0
@@ -92,9 +103,13 @@ class RoundPipe(nn.Module):
 
     @property
     def plan(self) -> Plan:
-        """The plan calls use unless their run config pins another."""
-        pinned = self.run_config.execute_plan
-        return pinned.validate(self.num_layers) if isinstance(pinned, Plan) else self._default_plan
+        """The plan calls use unless their run config pins another.
+
+        Unless ``execute_plan`` pins one, this is the automatic plan: the partitioner's
+        choice for the measured per-layer times (size-based estimates before the first
+        measurements), chosen again only when the measurements move materially.
+        """
+        return self._plan_for(self.run_config)
 
     def extra_repr(self) -> str:
         return f"devices={self.pool!r}, plan={self.plan}"
@@ -174,6 +189,36 @@ class RoundPipe(nn.Module):
         self._drain()
         self._raise_failures()
         self._store.make_model_current()
+
+    # -- timelines ------------------------------------------------------------------------
+
+    def start_timeline(self) -> None:
+        """Record every executed device op from now on (see :meth:`timeline`)."""
+        self._check_open()
+        self._drain()
+        self.pool.start_recording()
+        self._timeline_origin = time.perf_counter()
+
+    def timeline(self) -> Timeline:
+        """Wait for queued work; the ops run since :meth:`start_timeline`, as a Timeline.
+
+        Export it with ``save_chrome_trace(path)`` (Perfetto) or ``save_gantt(path)``.
+        """
+        self.synchronize()
+        origin = getattr(self, "_timeline_origin", 0.0)
+        return Timeline(
+            [
+                Span(
+                    device=r.device,
+                    stream=r.stream,
+                    kind=r.info.kind,
+                    label=r.info.label,
+                    start=max(r.start - origin, 0.0),
+                    end=max(r.end - origin, 0.0),
+                )
+                for r in self.pool.spans()
+            ]
+        )
 
     # -- inference / plain forward -------------------------------------------------------
 
@@ -282,7 +327,7 @@ class RoundPipe(nn.Module):
     def _plan_for(self, config: RoundPipeRunConfig) -> Plan:
         if isinstance(config.execute_plan, Plan):
             return config.execute_plan.validate(self.num_layers)
-        return self.plan
+        return self.planner.plan(len(self.pool), self._microbatch_count(config))
 
     def _split_inputs(self, config, args: tuple, kwargs: dict, num: int) -> list:
         _check_on_host((args, kwargs), "the inputs")
@@ -330,6 +375,7 @@ class RoundPipe(nn.Module):
             preserve_rng_state=config.preserve_rng_state,
             weights_version=self._use_version,
             chunk_bytes=config.weight_chunk_bytes,
+            prefetch_stages=config.prefetch_stages,
             autocast=AutocastState.capture(self._device_type()),
             loss_fn=loss_fn,
             labels=labels,

@@ -12,7 +12,17 @@ import warnings
 
 import torch
 
-from .base import Device, DeviceOpError, DevicePool, Event, OpInfo, Slot, SpanRecord, Stream
+from .base import (
+    Device,
+    DeviceOpError,
+    DevicePool,
+    Event,
+    OpInfo,
+    Slot,
+    SpanRecord,
+    Stream,
+    Timer,
+)
 from .emulated import EmulatedDevicePool, EmulatedOptions
 
 __all__ = [
@@ -26,6 +36,7 @@ __all__ = [
     "Slot",
     "SpanRecord",
     "Stream",
+    "Timer",
     "make_pool",
 ]
 

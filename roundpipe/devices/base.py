@@ -37,6 +37,7 @@ class OpInfo:
     nbytes: int = 0
     layers: tuple[int, ...] = ()
     critical: bool = False  # on the critical path (activations): goes before weight prefetch
+    job: int = -1  # index of the schedule job the op belongs to (-1: none)
 
 
 @dataclass(frozen=True)
@@ -57,6 +58,20 @@ class Slot:
 
     def __init__(self, value: Any = None) -> None:
         self.value = value
+
+
+class Timer(abc.ABC):
+    """Measures device time between ``start()`` and ``stop()``, issued inside stream ops."""
+
+    @abc.abstractmethod
+    def start(self) -> None: ...
+
+    @abc.abstractmethod
+    def stop(self) -> None: ...
+
+    @abc.abstractmethod
+    def seconds(self) -> float:
+        """The measured time; call only after the ops it timed have completed."""
 
 
 class Event(abc.ABC):
@@ -124,6 +139,18 @@ class Device(abc.ABC):
     @abc.abstractmethod
     def compute_scope(self, info: OpInfo) -> contextlib.AbstractContextManager[None]:
         """Context for running layer code of this device inside a compute op."""
+
+    @abc.abstractmethod
+    def timer(self) -> Timer:
+        """A timer for work issued on the current stream."""
+
+    def model_kernel_time(self, info: OpInfo) -> None:  # noqa: B027 - optional hook
+        """Called after the kernels of ``info`` were issued; the emulated backend may
+        sleep here to model their run time. Real devices do nothing."""
+
+    def memory_capacity(self) -> int | None:
+        """Usable device memory in bytes, or None if unlimited."""
+        return None
 
     @abc.abstractmethod
     def get_rng_state(self) -> torch.Tensor:

@@ -26,7 +26,7 @@ from collections.abc import Callable
 
 import torch
 
-from .base import STREAM_NAMES, Device, DevicePool, Event, OpInfo, SpanRecord, Stream
+from .base import STREAM_NAMES, Device, DevicePool, Event, OpInfo, SpanRecord, Stream, Timer
 
 # Lower number = higher priority. Critical-path activation uploads go first and
 # weight prefetch fills the gaps (DESIGN.md §4).
@@ -45,6 +45,24 @@ class _CudaEvent(Event):
 
     def query(self) -> bool:
         return self.event.query()
+
+
+class _CudaTimer(Timer):
+    """A pair of timing events on the current stream."""
+
+    def __init__(self) -> None:
+        self._start = torch.cuda.Event(enable_timing=True)
+        self._stop = torch.cuda.Event(enable_timing=True)
+
+    def start(self) -> None:
+        self._start.record()
+
+    def stop(self) -> None:
+        self._stop.record()
+
+    def seconds(self) -> float:
+        self._stop.synchronize()
+        return self._start.elapsed_time(self._stop) / 1e3
 
 
 class _CudaStream(Stream):
@@ -104,6 +122,12 @@ class CudaDevice(Device):
 
     def compute_scope(self, info: OpInfo) -> contextlib.AbstractContextManager[None]:
         return contextlib.nullcontext()  # the stream context already selects the device
+
+    def timer(self) -> Timer:
+        return _CudaTimer()
+
+    def memory_capacity(self) -> int | None:
+        return torch.cuda.get_device_properties(self.index).total_memory
 
     def get_rng_state(self) -> torch.Tensor:
         return torch.cuda.get_rng_state(self.index)

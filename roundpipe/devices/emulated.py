@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import STREAM_NAMES, Device, DevicePool, Event, OpInfo, SpanRecord, Stream
+from .base import STREAM_NAMES, Device, DevicePool, Event, OpInfo, SpanRecord, Stream, Timer
 
 # The CPU generator is one per process, so is the lock that makes "capture RNG
 # state, then draw from it" atomic across emulated devices (and across pools).
@@ -42,7 +42,9 @@ class EmulatedOptions:
     """Host→device bandwidth per device in GB/s; ``None`` transfers instantly."""
     d2h_gbps: float | None = None
     kernel_time: Callable[[OpInfo], float] | None = None
-    """Extra seconds a compute op takes (e.g. a modelled kernel time)."""
+    """Modelled seconds of a layer's kernels: called with ``OpInfo(kind, layers=...)``
+    for each layer's forward (kind "forward" or "recompute") and each stage's
+    backward (kind "backward", all the stage's layers)."""
     jitter_s: float = 0.0
     """Upper bound of a random delay inserted before every stream op."""
     seed: int = 0
@@ -76,6 +78,22 @@ class _Link:
             with self._cond:
                 self._busy = False
                 self._cond.notify_all()
+
+
+class _WallClockTimer(Timer):
+    """On the emulated backend an op runs while it is issued, so wall time is device time."""
+
+    def __init__(self) -> None:
+        self._start = self._stop = 0.0
+
+    def start(self) -> None:
+        self._start = time.perf_counter()
+
+    def stop(self) -> None:
+        self._stop = time.perf_counter()
+
+    def seconds(self) -> float:
+        return self._stop - self._start
 
 
 class _EmulatedEvent(Event):
@@ -167,8 +185,6 @@ class _EmulatedStream(Stream):
         start = time.perf_counter()
         try:
             fn()
-            if self.name == "compute" and options.kernel_time is not None:
-                time.sleep(max(0.0, options.kernel_time(info)))
         except BaseException as exc:  # noqa: BLE001 - sticky, reported through events
             self.error = exc
         self.device.pool._record_span(self.device.index, self.name, info, start)
@@ -239,6 +255,16 @@ class EmulatedDevice(Device):
         if info.kind in _RANDOM_KINDS:
             return _CPU_RNG_LOCK
         return contextlib.nullcontext()
+
+    def timer(self) -> Timer:
+        return _WallClockTimer()
+
+    def model_kernel_time(self, info: OpInfo) -> None:
+        if self.options.kernel_time is not None:
+            time.sleep(max(0.0, self.options.kernel_time(info)))
+
+    def memory_capacity(self) -> int | None:
+        return self.options.capacity_bytes
 
     def get_rng_state(self) -> torch.Tensor:
         return torch.get_rng_state()

@@ -54,6 +54,7 @@ class Call:
     preserve_rng_state: bool
     weights_version: int
     chunk_bytes: int | None
+    prefetch_stages: int
     autocast: AutocastState
     loss_fn: Callable[..., torch.Tensor] | None
     labels: list[Any] | None

@@ -17,16 +17,18 @@ from collections.abc import Callable
 
 import torch
 
-from ..devices import Device, Event, OpInfo, Slot
+from ..devices import Device, Event, OpInfo, Slot, Timer
 from ..errors import failure_site, locate
 from ..schedule import Job, JobKind
 from .call import Call
 from .layers import LayerBinding
 from .params import ParameterStore
+from .profiler import LayerProfiler
 from .sync import Handoff, VersionGate
 from .transfer import download_tree, grads_of_inputs, pair_outputs_with_grads, upload_tree
 
 _STOP = object()
+MAX_PREFETCH = 4
 
 
 class DeviceWorker:
@@ -38,17 +40,19 @@ class DeviceWorker:
         layers: list[LayerBinding],
         store: ParameterStore,
         buffer_gates: dict[int, VersionGate],
+        profiler: LayerProfiler,
     ) -> None:
         self.device = device
         self.layers = layers
         self.store = store
+        self.profiler = profiler
         self.buffer_gates = buffer_gates
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._followups: queue.SimpleQueue = queue.SimpleQueue()
         self._threads: list[threading.Thread] = []
         # Events marking the end of this device's last jobs and compute ops, used to
         # bound prefetch: weights one stage ahead, activations one microbatch ahead.
-        self._job_ends: collections.deque[Event] = collections.deque(maxlen=2)
+        self._job_ends: collections.deque[Event] = collections.deque(maxlen=MAX_PREFETCH + 1)
         self._compute_marks: collections.deque[Event] = collections.deque(maxlen=2)
 
     # -- threads ---------------------------------------------------------------------
@@ -105,13 +109,14 @@ class DeviceWorker:
                 return
             call, job = item
             error: BaseException | None = None
+            issuer = _JobIssuer(self, call, job)
             try:
-                _JobIssuer(self, call, job).issue()
+                issuer.issue()
             except BaseException as exc:  # noqa: BLE001 - handed to the call
                 error = locate(exc, f"{_job_name(job)} on device {self.device!r}")
                 call.fail_outputs(job, error)
                 self._open_buffer_gates(call, job)
-            self._finish(call, job, error)
+            self._finish(call, job, error, issuer.timings)
 
     def _open_buffer_gates(self, call: Call, job: Job) -> None:
         if job.kind is not JobKind.BACKWARD:
@@ -119,11 +124,14 @@ class DeviceWorker:
                 if index in self.buffer_gates:
                     self.buffer_gates[index].advance_to(call.seq + 1)
 
-    def _finish(self, call: Call, job: Job, error: BaseException | None) -> None:
+    def _finish(self, call: Call, job: Job, error: BaseException | None, timings: list) -> None:
         ends = [stream.record() for stream in self.device.streams.values()]
         self._job_ends.append(ends[0])
 
         def done() -> None:
+            if error is None:
+                for kind, layers, timer in timings:
+                    self.profiler.record(kind, layers, timer.seconds())
             call.latch.count_down(error)
 
         self.after(ends, done, on_error=lambda exc: call.latch.count_down(error or exc))
@@ -146,6 +154,7 @@ class _JobIssuer:
         self.mailbox = call.mailbox
         self.weights = Slot()  # (params by uid, buffers by uid) on the device
         self.training = job.kind is not JobKind.FORWARD
+        self.timings: list[tuple[str, tuple[int, ...], Timer]] = []
 
     # -- the three job kinds ----------------------------------------------------------
 
@@ -185,7 +194,7 @@ class _JobIssuer:
                         rng[i].value = self.device.get_rng_state()
                     if i in saves:
                         saves[i].value = x
-                    x = self.run_layer(i, x, m)
+                    x = self.run_layer(i, x, m, "forward")
             output.value = x
 
         self.compute(forward, "forward", m)
@@ -208,13 +217,13 @@ class _JobIssuer:
                 with call.autocast.scope():
                     x = inputs
                     for i in job.layers:
-                        x = self.run_layer(i, x, m)
+                        x = self.run_layer(i, x, m, "forward")
                     with failure_site(f"loss_fn on microbatch {m}"):
                         loss = call.loss_fn(x[0][0], label)
                         _check_loss(loss)
                 if loss.requires_grad:
                     with failure_site(f"{self.name}, backward of microbatch {m}"):
-                        loss.backward()
+                        self.timed("backward", job.layers, loss.backward)
             loss_slot.value = loss.detach()
             if call.return_outputs:
                 out_slot.value = x[0][0]
@@ -268,7 +277,7 @@ class _JobIssuer:
                 try:
                     x = inputs
                     for i in layers:
-                        x = self.run_layer(i, x, m)
+                        x = self.run_layer(i, x, m, "recompute")
                 finally:
                     if current is not None:
                         self.device.set_rng_state(current)
@@ -286,7 +295,7 @@ class _JobIssuer:
             grad.value = None
             tensors, grads = pair_outputs_with_grads(outputs, incoming)
             if tensors:
-                torch.autograd.backward(tensors, grads)
+                self.timed("backward", layers, lambda: torch.autograd.backward(tensors, grads))
             input_grads.value = grads_of_inputs(inputs) if start > 0 else None
 
         self.compute(backward, "backward", m, layers)
@@ -309,8 +318,10 @@ class _JobIssuer:
             for layer in layers:
                 if layer.index in self.worker.buffer_gates:
                     self.worker.buffer_gates[layer.index].wait_for(self.call.seq)
-        if len(self.worker._job_ends) == 2:
-            stream.wait(self.worker._job_ends[0])  # at most two stages of weights resident
+        depth = self.call.prefetch_stages
+        if len(self.worker._job_ends) > depth:
+            # at most ``depth`` + 1 stages of weights resident: wait for the job that far back
+            stream.wait(self.worker._job_ends[-depth - 1])
         uids = list(dict.fromkeys(uid for layer in layers for uid in layer.param_uids))
         buffers = {uid: t for layer in layers for uid, t in layer.host_buffers().items()}
         params: dict[int, torch.Tensor] = {}
@@ -328,7 +339,8 @@ class _JobIssuer:
                         params[uid] = tensor
 
             nbytes = sum(_nbytes(store.entries[uid].param) for uid in chunk)
-            stream.submit(upload_chunk, OpInfo("upload", f"weights {self.name}", nbytes))
+            info = OpInfo("upload", f"weights {self.name}", nbytes, job=self.job.index)
+            stream.submit(upload_chunk, info)
 
         def upload_buffers() -> None:
             with failure_site(f"{self.name}: buffer upload on device {device!r}"):
@@ -445,7 +457,7 @@ class _JobIssuer:
 
     def compute(self, fn: Callable[[], None], kind: str, m: int, layers: range | None = None):
         layers = layers if layers is not None else self.job.layers
-        info = OpInfo(kind, f"{self.name} mb{m}", layers=tuple(layers))
+        info = OpInfo(kind, f"{self.name} mb{m}", layers=tuple(layers), job=self.job.index)
         device = self.device
 
         def op() -> None:
@@ -459,7 +471,17 @@ class _JobIssuer:
         self.worker._compute_marks.append(event)
         return event
 
-    def run_layer(self, index: int, value, m: int):
+    def timed(self, kind: str, layers: range, fn: Callable[[], object]):
+        """Inside a compute op: run ``fn``, model its kernel time, record its duration."""
+        timer = self.device.timer()
+        timer.start()
+        result = fn()
+        self.device.model_kernel_time(OpInfo(kind, layers=tuple(layers)))
+        timer.stop()
+        self.timings.append((kind, tuple(layers), timer))
+        return result
+
+    def run_layer(self, index: int, value, m: int, kind: str):
         layer = self.worker.layers[index]
         params, buffers = self.weights.value
         shell = layer.shell(self.device.index)
@@ -467,7 +489,8 @@ class _JobIssuer:
         args, kwargs = value
         try:
             with failure_site(f"{layer} in {self.name}, microbatch {m}"):
-                return ((shell(*args, **kwargs),), {})
+                output = self.timed(kind, range(index, index + 1), lambda: shell(*args, **kwargs))
+                return ((output,), {})
         finally:
             layer.unbind(shell)
 

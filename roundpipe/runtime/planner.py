@@ -1,0 +1,51 @@
+"""Keeps the automatic plan in step with the profiler, without thrashing.
+
+The partitioner runs again only when measurements moved materially since the last
+time it ran (``should_replan``), and its new choice replaces the current plan only
+if the simulator predicts it to be clearly faster under the new measurements, so
+near-ties measured with noise do not make the plan flip back and forth.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from ..partition import auto_plan, predict_iteration_time, should_replan
+from ..plan import Plan
+from ..sim.costs import LayerCosts
+from .profiler import LayerProfiler
+
+MIN_GAIN = 0.05
+"""A new plan must be predicted at least this much faster to replace the current one."""
+
+
+class AutoPlanner:
+    def __init__(self, profiler: LayerProfiler, budgets: Sequence[int] | None) -> None:
+        self.profiler = profiler
+        self.budgets = list(budgets) if budgets is not None else None
+        self.replans = 0
+        self._plan: Plan | None = None
+        self._costs: LayerCosts | None = None
+        self._key: tuple[int, int] | None = None
+
+    def plan(self, num_devices: int, num_microbatches: int) -> Plan:
+        costs = self.profiler.costs()
+        key = (num_devices, num_microbatches)
+        if self._plan is None or self._key != key:
+            self._plan = auto_plan(costs, num_devices, num_microbatches, self.budgets)
+            self.replans += 1
+        elif should_replan(self._costs, costs):
+            candidate = auto_plan(costs, num_devices, num_microbatches, self.budgets)
+            if candidate != self._plan and self._predict(candidate, costs, key) < (
+                1 - MIN_GAIN
+            ) * self._predict(self._plan, costs, key):
+                self._plan = candidate
+                self.replans += 1
+        else:
+            return self._plan
+        self._costs, self._key = costs, key
+        return self._plan
+
+    @staticmethod
+    def _predict(plan: Plan, costs: LayerCosts, key: tuple[int, int]) -> float:
+        return predict_iteration_time(plan, costs, *key)
