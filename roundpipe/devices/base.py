@@ -125,8 +125,18 @@ class Device(abc.ABC):
         return self.streams["download"]
 
     @abc.abstractmethod
+    def empty_like(self, host: torch.Tensor) -> torch.Tensor:
+        """Inside an op: uninitialised (contiguous) device memory shaped like ``host``."""
+
+    @abc.abstractmethod
+    def copy_in(self, dst: torch.Tensor, src: torch.Tensor, stream: Stream) -> None:
+        """Inside an op of ``stream``: asynchronously copy host ``src`` into device ``dst``."""
+
     def to_device(self, host: torch.Tensor, stream: Stream) -> torch.Tensor:
         """Inside an op of ``stream``: an asynchronous host→device copy of ``host``."""
+        tensor = self.empty_like(host)
+        self.copy_in(tensor, host, stream)
+        return tensor
 
     @abc.abstractmethod
     def to_host(self, tensor: torch.Tensor, stream: Stream) -> torch.Tensor:

@@ -108,8 +108,11 @@ class CudaDevice(Device):
     def __repr__(self) -> str:
         return f"cuda:{self.index}"
 
-    def to_device(self, host: torch.Tensor, stream: Stream) -> torch.Tensor:
-        return host.to(self.torch_device, non_blocking=True)
+    def empty_like(self, host: torch.Tensor) -> torch.Tensor:
+        return torch.empty(host.shape, dtype=host.dtype, device=self.torch_device)
+
+    def copy_in(self, dst: torch.Tensor, src: torch.Tensor, stream: Stream) -> None:
+        dst.copy_(src, non_blocking=True)
 
     def to_host(self, tensor: torch.Tensor, stream: Stream) -> torch.Tensor:
         out = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=True)

@@ -212,7 +212,7 @@ class EmulatedDevice(Device):
     def __repr__(self) -> str:
         return f"emulated:{self.index}"
 
-    def _allocate_like(self, host: torch.Tensor) -> torch.Tensor:
+    def empty_like(self, host: torch.Tensor) -> torch.Tensor:
         nbytes = host.numel() * host.element_size()
         capacity = self.options.capacity_bytes
         with self._mem_lock:
@@ -233,12 +233,9 @@ class EmulatedDevice(Device):
         with self._mem_lock:
             self._allocated -= nbytes
 
-    def to_device(self, host: torch.Tensor, stream: Stream) -> torch.Tensor:
-        tensor = self._allocate_like(host)
-        nbytes = host.numel() * host.element_size()
-        self._h2d.transfer(nbytes, critical=stream.name == "act_upload")
-        tensor.copy_(host)
-        return tensor
+    def copy_in(self, dst: torch.Tensor, src: torch.Tensor, stream: Stream) -> None:
+        self._h2d.transfer(src.numel() * src.element_size(), critical=stream.name == "act_upload")
+        dst.copy_(src)
 
     def to_host(self, tensor: torch.Tensor, stream: Stream) -> torch.Tensor:
         self._d2h.transfer(tensor.numel() * tensor.element_size(), critical=False)

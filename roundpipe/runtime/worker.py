@@ -25,7 +25,13 @@ from .layers import LayerBinding
 from .params import ParameterStore
 from .profiler import LayerProfiler
 from .sync import Handoff, VersionGate
-from .transfer import download_tree, grads_of_inputs, pair_outputs_with_grads, upload_tree
+from .transfer import (
+    download_tree,
+    grads_of_inputs,
+    pair_outputs_with_grads,
+    plan_chunks,
+    upload_tree,
+)
 
 _STOP = object()
 MAX_PREFETCH = 4
@@ -328,17 +334,26 @@ class _JobIssuer:
         on_device: dict[int, torch.Tensor] = {}
         self.weights.value = (params, on_device)
         version = self.call.weights_version
-        for chunk in _chunks(uids, store, version, self.call.chunk_bytes):
+        sources = [store.entries[uid].upload_source(version) for uid in uids]
+        pieces = plan_chunks(
+            [_nbytes(t) for t in sources],
+            [t.element_size() for t in sources],
+            self.call.chunk_bytes,
+        )
+        for chunk in pieces:
 
             def upload_chunk(chunk=chunk) -> None:
                 with failure_site(f"{self.name}: weight upload on device {device!r}"):
-                    for uid in chunk:
-                        tensor = device.to_device(store.entries[uid].upload_source(version), stream)
-                        tensor.requires_grad_(self.training and store.trainable(uid))
-                        device.keep_alive(tensor, device.compute)
-                        params[uid] = tensor
+                    for index, first, end in chunk:
+                        uid, source = uids[index], sources[index]
+                        if first == 0:
+                            params[uid] = device.empty_like(source)
+                            params[uid].requires_grad_(self.training and store.trainable(uid))
+                            device.keep_alive(params[uid], device.compute)
+                        flat = params[uid].detach().view(-1)
+                        device.copy_in(flat[first:end], source.reshape(-1)[first:end], stream)
 
-            nbytes = sum(_nbytes(store.entries[uid].param) for uid in chunk)
+            nbytes = sum((end - first) * sources[i].element_size() for i, first, end in chunk)
             info = OpInfo("upload", f"weights {self.name}", nbytes, job=self.job.index)
             stream.submit(upload_chunk, info)
 
@@ -505,19 +520,3 @@ def _check_loss(loss) -> None:
 
 def _nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
-
-
-def _chunks(uids: list[int], store: ParameterStore, version: int, limit: int | None):
-    """Group parameters into upload chunks of at most ``limit`` bytes (one if None)."""
-    if limit is None:
-        return [uids] if uids else []
-    chunks: list[list[int]] = []
-    size = 0
-    for uid in uids:
-        nbytes = _nbytes(store.entries[uid].upload_source(version))
-        if not chunks or size + nbytes > limit:
-            chunks.append([])
-            size = 0
-        chunks[-1].append(uid)
-        size += nbytes
-    return chunks

@@ -1,0 +1,94 @@
+"""The runtime executes the same schedule the simulator replays, plans itself from
+measurements, and records timelines."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+from oracle import batch, mlp, mse_sum
+from torch import nn
+
+from roundpipe import EmulatedOptions, RoundPipe, RoundPipeRunConfig
+from roundpipe.sim.roundpipe_schedule import round_schedules
+
+COMPUTE_KINDS = {"forward", "fused", "recompute", "backward"}
+
+
+def devices_by_job(pipe: RoundPipe) -> dict[int, set[int]]:
+    seen: dict[int, set[int]] = {}
+    for record in pipe.pool.spans():
+        if record.info.kind in COMPUTE_KINDS:
+            seen.setdefault(record.info.job, set()).add(record.device)
+    return seen
+
+
+def test_runtime_and_simulator_put_every_job_on_the_same_device_call_after_call():
+    config = RoundPipeRunConfig(num_microbatch=3, execute_plan="2,2|2,1,1,1,1")
+    x, y = batch()
+    with RoundPipe(mlp(), devices="emulated:3", model_run_config=config) as pipe:
+        simulated = round_schedules(pipe.plan, 3, num_rounds=3)
+        for schedule in simulated:
+            pipe.start_timeline()
+            pipe.forward_backward((x,), label=y, loss_fn=mse_sum)
+            pipe.synchronize()
+            observed = devices_by_job(pipe)
+            assert observed == {job.index: {job.device} for job in schedule.jobs}
+
+
+def heavy_last_layer_time(info) -> float:
+    """Modelled kernel time: layer 5 (the head) costs four times any other layer."""
+    per_layer = sum(4.0 if i == 5 else 1.0 for i in info.layers) * 2e-3
+    return 2 * per_layer if info.kind == "backward" else per_layer
+
+
+def uniform_model():
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Linear(16, 16) for _ in range(6)])
+
+
+def test_automatic_plan_follows_measured_layer_times_and_settles():
+    options = EmulatedOptions(kernel_time=heavy_last_layer_time)
+    x, y = torch.randn(12, 16), torch.randn(12, 16)
+    with RoundPipe(uniform_model(), devices="emulated:3", emulated_options=options) as pipe:
+        plans = []
+        for _ in range(8):
+            pipe.forward_backward((x,), label=y, loss_fn=mse_sum)
+            pipe.synchronize()
+            plans.append(pipe.plan)
+        forward = pipe.profiler.costs().forward
+    assert forward[5] > 2.5 * max(forward[:5])  # the profiler saw the heavy layer
+    assert plans[-1].fused_layers == 1  # the heavy head is fused alone
+    assert len(set(plans[-4:])) == 1  # it settled: no re-plan on every call
+    assert pipe.planner.replans <= 4
+
+
+def test_a_pinned_plan_is_used_as_is_and_never_replanned():
+    config = RoundPipeRunConfig(execute_plan="2,3|1,1,1,1,1,1")
+    options = EmulatedOptions(kernel_time=heavy_last_layer_time)
+    x, y = torch.randn(12, 16), torch.randn(12, 16)
+    with RoundPipe(
+        uniform_model(), devices="emulated:3", model_run_config=config, emulated_options=options
+    ) as pipe:
+        for _ in range(3):
+            pipe.forward_backward((x,), label=y, loss_fn=mse_sum)
+        pipe.synchronize()
+        assert str(pipe.plan) == "2,3|1,1,1,1,1,1"
+        assert pipe.planner.replans == 0
+
+
+def test_a_recorded_timeline_exports_to_chrome_trace_and_gantt(tmp_path):
+    x, y = batch()
+    with RoundPipe(mlp(), devices="emulated:2") as pipe:
+        pipe.start_timeline()
+        pipe.forward_backward((x,), label=y, loss_fn=mse_sum)
+        timeline = pipe.timeline()
+    kinds = {span.kind for span in timeline.spans}
+    assert {"forward", "fused", "upload", "download"} <= kinds
+    assert {span.device for span in timeline.spans} == {0, 1}
+    trace_path, gantt_path = tmp_path / "run.json", tmp_path / "run.png"
+    timeline.save_chrome_trace(trace_path)
+    timeline.save_gantt(gantt_path)
+    events = json.loads(trace_path.read_text())["traceEvents"]
+    assert sum(e.get("ph") == "X" for e in events) == len(timeline.spans)
+    assert gantt_path.read_bytes()[:4] == b"\x89PNG"
