@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .config import RoundPipeRunConfig
 from .devices import DevicePool, EmulatedOptions, Slot, make_pool
@@ -30,7 +31,7 @@ from .runtime.planner import AutoPlanner
 from .runtime.profiler import LayerProfiler
 from .runtime.sync import Handoff, VersionGate
 from .runtime.worker import DeviceWorker
-from .schedule import lower, lower_forward_only
+from .schedule import lower, lower_unfused
 from .timeline import Span, Timeline
 
 PIN_MODES = ("alloc", "register", "off")
@@ -223,23 +224,52 @@ class RoundPipe(nn.Module):
     # -- inference / plain forward -------------------------------------------------------
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        """Run the model on the pool. Only inference (``torch.no_grad()``) is pipelined."""
-        if torch.is_grad_enabled() and any(p.requires_grad for p in self.model.parameters()):
-            raise NotImplementedError(
-                "calling a RoundPipe model with autograd enabled is not supported yet; use "
-                "forward_backward(...) to train, or run inference under torch.no_grad()"
-            )
+        """Run the model on the pool, pipelined.
+
+        Under ``torch.no_grad()`` (or with no trainable parameter) this is inference.
+        With autograd enabled the output can be back-propagated later: ``.backward()``
+        on (a function of) it runs the backward stages, recomputing from saved stage
+        inputs, and accumulates the parameter gradients like ``forward_backward``.
+        Prefer ``forward_backward``: it fuses the last stage and overlaps calls.
+        """
         config = self.run_config
+        training = torch.is_grad_enabled() and any(p.requires_grad for p in self.model.parameters())
+        if training and config.merge_output is not None:
+            raise NotImplementedError(
+                "model(...) with autograd enabled needs the default output merging; "
+                "use forward_backward(...) with a custom merge_output"
+            )
         self._before_call()
         num = self._microbatch_count(config)
         inputs = self._split_inputs(config, args, kwargs, num)
-        schedule = lower_forward_only(self._plan_for(config), len(self.pool), self._cursor)
-        call = self._start_call(schedule, inputs, config, None, None, False, forward_only=True)
+        schedule = lower_unfused(
+            self._plan_for(config), len(self.pool), self._cursor, with_backward=training
+        )
+        call = self._start_call(
+            schedule, inputs, config, None, None, False, forward_only=not training
+        )
         try:
             outputs = [self._read(call, ("act", self.num_layers, m))[0][0] for m in range(num)]
         except BaseException as exc:
             raise self._recover(exc) from None
-        return (config.merge_output or merge_outputs)(outputs)
+        merged = (config.merge_output or merge_outputs)(outputs)
+        if not training:
+            return merged
+        return _attach_backward(merged, outputs, lambda grads: self._backward_call(call, grads))
+
+    def _backward_call(self, call: Call, grads_per_microbatch: list[list]) -> None:
+        """Post the output gradients, run the call's backward jobs and wait for them."""
+        layers = self.num_layers
+        for m, grads in enumerate(grads_per_microbatch):
+            call.mailbox.post(("grad", layers, m), Handoff(Slot(grads), None))
+        backward_jobs = call.schedule.backward_jobs
+        call.latch.add(len(backward_jobs))
+        self._in_flight.append(call)
+        for job in backward_jobs:
+            self._workers[job.device].submit(call, job)
+        error = call.latch.wait()
+        if error is not None:
+            raise self._recover(error) from None
 
     # -- parameters ----------------------------------------------------------------------
 
@@ -391,7 +421,7 @@ class RoundPipe(nn.Module):
         if not forward_only:
             self._since_step.append(call)
         self._in_flight.append(call)
-        for job in schedule.jobs:
+        for job in call.first_jobs:
             self._workers[job.device].submit(call, job)
         return call
 
@@ -450,3 +480,58 @@ def _check_on_host(tree: Any, what: str) -> None:
                 f"{what} must be in host memory, but a tensor is on {tensor.device}; "
                 "RoundPipe keeps inputs on the host and uploads them itself: pass CPU tensors"
             )
+
+
+class _PipelineBackward(torch.autograd.Function):
+    """Connects a pipelined forward's outputs to autograd; its backward runs the pipeline's."""
+
+    @staticmethod
+    def forward(ctx, anchor: torch.Tensor, run_backward, tensors: tuple) -> tuple:
+        ctx.run_backward = run_backward
+        return tuple(t.detach().clone() for t in tensors)
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor):
+        ctx.run_backward(grads)
+        return None, None, None
+
+
+def _attach_backward(merged: Any, outputs: list[Any], run_backward) -> Any:
+    """Return ``merged`` with its floating tensors wired to ``run_backward``.
+
+    ``run_backward`` receives, per microbatch, the gradients aligned with that
+    microbatch's output tensors (``None`` for non-floating ones).
+    """
+    leaves, spec = tree_flatten(merged)
+    wired = [i for i, leaf in enumerate(leaves) if _differentiable(leaf)]
+    shapes = [
+        [leaf.shape for leaf in tree_flatten(out)[0] if isinstance(leaf, torch.Tensor)]
+        for out in outputs
+    ]
+
+    def split_grads(grads: tuple) -> None:
+        per_microbatch: list[list] = [[] for _ in outputs]
+        by_leaf = dict(zip(wired, grads, strict=True))
+        tensor_position = 0
+        for i, leaf in enumerate(leaves):
+            if not isinstance(leaf, torch.Tensor):
+                continue
+            microbatch_shapes = [shape[tensor_position] for shape in shapes]
+            sizes = [shape[0] if len(shape) else 1 for shape in microbatch_shapes]
+            pieces = torch.split(by_leaf[i], sizes) if i in by_leaf else [None] * len(outputs)
+            for m, piece in enumerate(pieces):
+                per_microbatch[m].append(
+                    None if piece is None else piece.reshape(microbatch_shapes[m])
+                )
+            tensor_position += 1
+        run_backward(per_microbatch)
+
+    anchor = torch.zeros((), requires_grad=True)
+    attached = _PipelineBackward.apply(anchor, split_grads, tuple(leaves[i] for i in wired))
+    for i, tensor in zip(wired, attached, strict=True):
+        leaves[i] = tensor
+    return tree_unflatten(leaves, spec)
+
+
+def _differentiable(leaf: Any) -> bool:
+    return isinstance(leaf, torch.Tensor) and leaf.is_floating_point() and leaf.dim() > 0

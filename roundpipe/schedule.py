@@ -112,22 +112,34 @@ def lower(plan: Plan, num_devices: int, first_device: int = 0) -> Schedule:
     return Schedule(plan=plan, num_devices=num_devices, first_device=first_device, jobs=tuple(jobs))
 
 
-def lower_forward_only(plan: Plan, num_devices: int, first_device: int = 0) -> Schedule:
-    """Forward jobs over every layer (the fused stage run as one more forward stage)."""
+def lower_unfused(
+    plan: Plan, num_devices: int, first_device: int = 0, with_backward: bool = False
+) -> Schedule:
+    """Forward jobs over every layer (the fused stage run as one more forward stage),
+    then, ``with_backward``, every backward stage as a recomputing backward job.
+
+    Used when the loss is not part of the call: inference, and ``model(x)`` followed
+    by a later ``.backward()`` on its output.
+    """
     if num_devices < 1:
         raise ValueError(f"num_devices must be at least 1, got {num_devices}")
     first_device %= num_devices
-    ranges = [*plan.forward_ranges(), plan.fused_range()]
-    jobs = tuple(
-        Job(
-            index=i,
-            kind=JobKind.FORWARD,
-            stage=i,
-            layers=layers,
-            device=(first_device + i) % num_devices,
-            input_from=i - 1 if i else None,
-            saved_input_from=None,
+    stages = [(JobKind.FORWARD, r) for r in [*plan.forward_ranges(), plan.fused_range()]]
+    forward_job_of_layer = {layer: i for i, (_, r) in enumerate(stages) for layer in r}
+    if with_backward:
+        stages += [(JobKind.BACKWARD, r) for r in plan.backward_ranges()]
+    jobs = []
+    for index, (kind, layers) in enumerate(stages):
+        backward = kind is JobKind.BACKWARD
+        jobs.append(
+            Job(
+                index=index,
+                kind=kind,
+                stage=index - (len(plan.forward) + 1) * backward,
+                layers=layers,
+                device=(first_device + index) % num_devices,
+                input_from=index - 1 if index else None,
+                saved_input_from=forward_job_of_layer[layers.start] if backward else None,
+            )
         )
-        for i, layers in enumerate(ranges)
-    )
-    return Schedule(plan=plan, num_devices=num_devices, first_device=first_device, jobs=jobs)
+    return Schedule(plan=plan, num_devices=num_devices, first_device=first_device, jobs=tuple(jobs))

@@ -250,6 +250,53 @@ def test_inference_matches_the_plain_model():
         torch.testing.assert_close(wrapped(x), reference(x))
 
 
+@pytest.mark.parametrize("grain", ["stage", "layer"])
+def test_backward_through_a_plain_forward_gives_pytorch_gradients(grain):
+    model = mlp()
+    reference = copy.deepcopy(model)
+    x, y = batch()
+    config = RoundPipeRunConfig(num_microbatch=4, recompute_grain=grain)
+    with RoundPipe(model, devices="emulated:3", model_run_config=config) as wrapped:
+        loss = mse_sum(wrapped(x), y)
+        loss.backward()
+        wrapped.synchronize()
+    want = mse_sum(reference(x), y)
+    want.backward()
+    torch.testing.assert_close(loss, want)
+    assert_grads_close(model, reference)
+
+
+def test_two_plain_forwards_then_one_backward_accumulate_both():
+    model = mlp()
+    reference = copy.deepcopy(model)
+    (x1, y1), (x2, y2) = batch(1), batch(2)
+    with RoundPipe(
+        model, devices="emulated:2", model_run_config=RoundPipeRunConfig(num_microbatch=3)
+    ) as wrapped:
+        total = mse_sum(wrapped(x1), y1) + 0.5 * mse_sum(wrapped(x2), y2)
+        total.backward()
+        wrapped.synchronize()
+    (mse_sum(reference(x1), y1) + 0.5 * mse_sum(reference(x2), y2)).backward()
+    assert_grads_close(model, reference)
+
+
+def test_backward_through_a_plain_forward_with_dropout_uses_the_forward_masks():
+    model = dropout_model()
+    reference = copy.deepcopy(model)
+    x, y = batch()
+    with RoundPipe(
+        model, devices="emulated:2", model_run_config=RoundPipeRunConfig(num_microbatch=3)
+    ) as wrapped:
+        mse_sum(wrapped(x), y).backward()
+        wrapped.synchronize()
+        logs = collect_logs(wrapped)
+    for index, log in logs:
+        assert all(torch.equal(a, b) for a, b in zip(log["forward"], log["grad"], strict=True))
+        reference[index] = ReplayDropout(log["forward"])
+    reference_loss_and_grads(reference, x, y, 3)
+    assert_grads_close(model, reference)
+
+
 def test_forward_backward_can_return_merged_outputs():
     model = mlp()
     reference = copy.deepcopy(model)

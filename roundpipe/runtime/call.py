@@ -68,9 +68,21 @@ class Call:
     latch: Latch = field(init=False)
 
     def __post_init__(self) -> None:
-        self.latch = Latch(len(self.schedule.jobs))
+        self.latch = Latch(len(self.first_jobs))
         self.recompute_inputs = self._recompute_inputs()
         self._expect_readers()
+
+    @property
+    def deferred(self) -> bool:
+        """Backward jobs wait for a later ``.backward()`` (no fused stage, no loss)."""
+        return not self.forward_only and not any(
+            j.kind is JobKind.FUSED for j in self.schedule.jobs
+        )
+
+    @property
+    def first_jobs(self) -> tuple[Job, ...]:
+        """The jobs dispatched when the call starts."""
+        return self.schedule.forward_jobs if self.deferred else self.schedule.jobs
 
     @property
     def fused_start(self) -> int:
@@ -80,7 +92,8 @@ class Call:
         if self.forward_only:
             return frozenset()
         if self.recompute_grain == "layer":
-            return frozenset(range(self.fused_start))
+            end = self.schedule.plan.num_layers if self.deferred else self.fused_start
+            return frozenset(range(end))
         return frozenset(j.layers.start for j in self.schedule.jobs if j.kind is JobKind.BACKWARD)
 
     def _expect_readers(self) -> None:

@@ -107,6 +107,11 @@ class Latch:
             if self.error is None:
                 self.error = error
 
+    def add(self, count: int) -> None:
+        """Expect ``count`` more jobs (dispatched after the call started)."""
+        with self._cond:
+            self._count += count
+
     def wait(self) -> BaseException | None:
         with self._cond:
             while self._count > 0:
