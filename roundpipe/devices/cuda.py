@@ -21,6 +21,7 @@ way the emulated backend does, so both backends report failures through events.
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 from collections.abc import Callable
 
@@ -30,6 +31,7 @@ from .base import STREAM_NAMES, Device, DevicePool, Event, OpInfo, SpanRecord, S
 
 # Lower number = higher priority. Critical-path activation uploads go first and
 # weight prefetch fills the gaps (DESIGN.md §4).
+_RANDOM_KINDS = frozenset({"forward", "recompute", "fused"})
 _STREAM_PRIORITY = {"compute": 0, "weight_upload": 0, "act_upload": -1, "download": 0}
 
 
@@ -124,7 +126,12 @@ class CudaDevice(Device):
         tensor.record_stream(stream.stream)
 
     def compute_scope(self, info: OpInfo) -> contextlib.AbstractContextManager[None]:
-        return contextlib.nullcontext()  # the stream context already selects the device
+        # Random kernels draw their offsets from the GPU's generator when launched.
+        # Workers sharing one GPU (e.g. "cuda:0,0") must not interleave "capture or
+        # restore the state, then launch", so those launches hold the GPU's lock.
+        if info.kind in _RANDOM_KINDS:
+            return self.pool._rng_locks[self.index]
+        return contextlib.nullcontext()
 
     def timer(self) -> Timer:
         return _CudaTimer()
@@ -158,6 +165,7 @@ class CudaDevicePool(DevicePool):
         bad = [i for i in indices if not 0 <= i < count]
         if bad:
             raise ValueError(f"CUDA device(s) {bad} do not exist; this machine has {count}")
+        self._rng_locks = {i: threading.RLock() for i in indices}
         self.devices = [CudaDevice(self, i) for i in indices]
         self._recording = False
         self._pending: list[tuple[int, str, OpInfo, torch.cuda.Event, torch.cuda.Event]] = []
@@ -174,8 +182,12 @@ class CudaDevicePool(DevicePool):
         if mode == "register":
             storage = tensor.untyped_storage()
             result = torch.cuda.cudart().cudaHostRegister(storage.data_ptr(), storage.nbytes(), 0)
-            if int(result) != 0:
-                raise RuntimeError(f"cudaHostRegister failed with error {int(result)}")
+            code = int(getattr(result, "value", result))
+            if code != 0:
+                raise RuntimeError(
+                    f"cudaHostRegister failed with CUDA error {code}; "
+                    "use pin_model='alloc' or 'off'"
+                )
             return tensor
         raise ValueError(f"pin_model must be 'alloc', 'register' or 'off', got {mode!r}")
 
