@@ -9,7 +9,7 @@ from .config import RoundPipeRunConfig
 from .devices import DevicePool, EmulatedDevicePool, EmulatedOptions, make_pool
 from .errors import RoundPipeError
 from .model import RoundPipe
-from .plan import Plan, PlanError, default_plan
+from .plan import Plan, PlanError
 from .schedule import Job, JobKind, Schedule, lower
 
 __all__ = [
@@ -24,7 +24,6 @@ __all__ = [
     "RoundPipeError",
     "RoundPipeRunConfig",
     "Schedule",
-    "default_plan",
     "lower",
     "make_pool",
 ]

@@ -47,7 +47,7 @@ class Plan:
 
     def forward_ranges(self) -> list[range]:
         """Layer ranges of the forward stages, shallowest first."""
-        return _ranges_from_start(self.forward, 0)
+        return stage_ranges(self.forward)
 
     def fused_range(self) -> range:
         return range(self.num_layers - self.fused_layers, self.num_layers)
@@ -112,55 +112,15 @@ class Plan:
         return cls(tuple(len(r) for r in forward), tuple(len(r) for r in backward))
 
 
-def _ranges_from_start(sizes: Sequence[int], start: int) -> list[range]:
-    ranges = []
-    for size in sizes:
-        ranges.append(range(start, start + size))
-        start += size
-    return ranges
-
-
 def _parse_sizes(text: str) -> tuple[int, ...]:
     text = text.strip()
     return tuple(int(part) for part in text.split(",")) if text else ()
 
 
-def default_plan(layer_sizes: Sequence[int], *, backward_ratio: int = 3) -> Plan:
-    """A size-based plan, used before any timing has been measured.
-
-    Layer cost is taken proportional to parameter count (at least 1 so parameter-free
-    layers still count). Backward stages aim at one average layer's worth of work,
-    forward stages at ``backward_ratio`` times that (backward with recompute costs
-    about 3x forward, DESIGN.md §3). The fused stage is the last backward stage cut.
-    """
-    costs = [max(int(s), 1) for s in layer_sizes]
-    if not costs:
-        raise PlanError("the model has no layers")
-    mean = sum(costs) / len(costs)
-    cap = max(mean, max(costs))
-    backward = _pack_from_end(costs, cap)
-    fused = backward[0]
-    forward = _pack_from_start(costs[: len(costs) - fused], backward_ratio * cap)
-    return Plan(tuple(forward), tuple(backward))
-
-
-def _pack_from_start(costs: Sequence[float], cap: float) -> list[int]:
-    sizes: list[int] = []
-    total = 0.0
-    for cost in costs:
-        if sizes and total + cost <= cap:
-            sizes[-1] += 1
-            total += cost
-        else:
-            sizes.append(1)
-            total = cost
-    return sizes
-
-
-def _pack_from_end(costs: Sequence[float], cap: float) -> list[int]:
-    return _pack_from_start(list(reversed(costs)), cap)
-
-
 def stage_ranges(sizes: Sequence[int], start: int = 0) -> list[range]:
     """Consecutive layer ranges of stages with the given sizes, the first at ``start``."""
-    return _ranges_from_start(sizes, start)
+    ranges = []
+    for size in sizes:
+        ranges.append(range(start, start + size))
+        start += size
+    return ranges
