@@ -46,7 +46,9 @@ class RoundPipeRunConfig:
 
     def __post_init__(self) -> None:
         if self.num_microbatch is not None and (
-            not isinstance(self.num_microbatch, int) or self.num_microbatch < 1
+            not isinstance(self.num_microbatch, int)
+            or isinstance(self.num_microbatch, bool)
+            or self.num_microbatch < 1
         ):
             raise ValueError(
                 f"num_microbatch must be a positive integer or None, got {self.num_microbatch!r}"
@@ -57,6 +59,11 @@ class RoundPipeRunConfig:
             )
         if isinstance(self.execute_plan, str):
             object.__setattr__(self, "execute_plan", Plan.parse(self.execute_plan))
+        elif self.execute_plan is not None and not isinstance(self.execute_plan, Plan):
+            raise TypeError(
+                "execute_plan must be a Plan, a string like '3,3|2,1,1,1,1,1,1' or None, "
+                f"got {type(self.execute_plan).__name__}"
+            )
         if not 1 <= self.prefetch_stages <= 4:
             raise ValueError(f"prefetch_stages must be 1 to 4, got {self.prefetch_stages}")
         if self.weight_chunk_bytes is not None and self.weight_chunk_bytes < 1:

@@ -12,7 +12,7 @@ import contextlib
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 from torch import nn
@@ -154,7 +154,7 @@ class RoundPipe(nn.Module):
             losses = [self._read(call, ("loss", m)) for m in range(num)]
             outputs = [self._read(call, ("out", m)) for m in range(num)] if return_outputs else None
         except BaseException as exc:
-            raise self._recover(exc) from None
+            self._fail(exc)
         loss = torch.stack([torch.as_tensor(v).reshape(()).float() for v in losses]).sum()
         if not return_outputs:
             return loss
@@ -181,14 +181,15 @@ class RoundPipe(nn.Module):
             return
         error = future.result()
         if error is not None:
-            raise self._recover(error) from None
+            self._fail(error)
         self._use_version = self._steps
 
     def synchronize(self) -> None:
         """Wait for all queued work; then the model's weights and ``.grad`` are current."""
         self._check_open()
-        self._drain()
-        self._raise_failures()
+        errors = self._drain()
+        if errors:
+            self._fail(errors[0])
         self._store.make_model_current()
 
     # -- timelines ------------------------------------------------------------------------
@@ -196,7 +197,9 @@ class RoundPipe(nn.Module):
     def start_timeline(self) -> None:
         """Record every executed device op from now on (see :meth:`timeline`)."""
         self._check_open()
-        self._drain()
+        errors = self._drain()
+        if errors:
+            self._fail(errors[0])
         self.pool.start_recording()
         self._timeline_origin = time.perf_counter()
 
@@ -251,7 +254,7 @@ class RoundPipe(nn.Module):
         try:
             outputs = [self._read(call, ("act", self.num_layers, m))[0][0] for m in range(num)]
         except BaseException as exc:
-            raise self._recover(exc) from None
+            self._fail(exc)
         merged = (config.merge_output or merge_outputs)(outputs)
         if not training:
             return merged
@@ -269,7 +272,7 @@ class RoundPipe(nn.Module):
             self._workers[job.device].submit(call, job)
         error = call.latch.wait()
         if error is not None:
-            raise self._recover(error) from None
+            self._fail(error)
 
     # -- parameters ----------------------------------------------------------------------
 
@@ -385,7 +388,10 @@ class RoundPipe(nn.Module):
             return [None] * num
         _check_on_host(label, "the label")
         if config.split_label is not None:
-            return config.split_label(label, num)
+            pieces = config.split_label(label, num)
+            if len(pieces) != num:
+                raise ValueError(f"split_label returned {len(pieces)} microbatches, expected {num}")
+            return pieces
         size = batch_size(label, "the label")
         if config.split_input is None and size is not None:
             input_size = batch_size((args, kwargs), "the inputs")
@@ -452,13 +458,20 @@ class RoundPipe(nn.Module):
         )
         self._in_flight = [c for c in self._in_flight if not c.latch.done or c.latch.error]
         if failed:
-            raise self._recover(None) from None
+            self._fail(None)
+
+    def _fail(self, error: BaseException | None) -> NoReturn:
+        """Recover from a failure, then raise it (chained to its original cause)."""
+        first = self._recover(error)
+        raise first from first.__cause__
 
     def _recover(self, error: BaseException | None) -> BaseException:
         """After a failure: let everything finish, reset, and return the error to raise."""
         errors = self._drain()
         first = errors[0] if errors else error
         self.pool.clear_errors()
+        for worker in self._workers:
+            worker.forget_events()
         discarded = self._since_step or any(e is not error for e in errors)
         self._since_step = []
         if discarded:
@@ -468,8 +481,9 @@ class RoundPipe(nn.Module):
         note = (
             " (the gradients accumulated since the last step were discarded)" if discarded else ""
         )
-        if note and hasattr(first, "add_note"):
+        if note and hasattr(first, "add_note") and not getattr(first, "noted", False):
             first.add_note("roundpipe: the model is usable again" + note)
+            first.noted = True  # type: ignore[attr-defined]
         return first
 
 

@@ -80,17 +80,25 @@ class _Link:
                 self._cond.notify_all()
 
 
-class _WallClockTimer(Timer):
-    """On the emulated backend an op runs while it is issued, so wall time is device time."""
+class _ModelledTime(threading.local):
+    """Per stream thread: modelled kernel seconds owed (slept after the op) and in total."""
 
-    def __init__(self) -> None:
+    pending = 0.0
+    total = 0.0
+
+
+class _WallClockTimer(Timer):
+    """Wall time of the real work plus the modelled kernel time charged in between."""
+
+    def __init__(self, modelled: _ModelledTime) -> None:
+        self._modelled = modelled
         self._start = self._stop = 0.0
 
     def start(self) -> None:
-        self._start = time.perf_counter()
+        self._start = time.perf_counter() + self._modelled.total
 
     def stop(self) -> None:
-        self._stop = time.perf_counter()
+        self._stop = time.perf_counter() + self._modelled.total
 
     def seconds(self) -> float:
         return self._stop - self._start
@@ -187,6 +195,11 @@ class _EmulatedStream(Stream):
             fn()
         except BaseException as exc:  # noqa: BLE001 - sticky, reported through events
             self.error = exc
+        # Modelled kernel time is slept here, after the op released any lock it held.
+        modelled = self.device.modelled
+        owed, modelled.pending = modelled.pending, 0.0
+        if owed > 0:
+            time.sleep(owed)
         self.device.pool._record_span(self.device.index, self.name, info, start)
 
 
@@ -200,6 +213,7 @@ class EmulatedDevice(Device):
             name: _EmulatedStream(self, name, options.seed * 1009 + index * 17 + i)
             for i, name in enumerate(STREAM_NAMES)
         }
+        self.modelled = _ModelledTime()
         self._h2d = _Link(options.h2d_gbps, options.prioritize_activations)
         self._d2h = _Link(options.d2h_gbps, False)
         self._mem_lock = threading.Lock()
@@ -254,11 +268,13 @@ class EmulatedDevice(Device):
         return contextlib.nullcontext()
 
     def timer(self) -> Timer:
-        return _WallClockTimer()
+        return _WallClockTimer(self.modelled)
 
     def model_kernel_time(self, info: OpInfo) -> None:
         if self.options.kernel_time is not None:
-            time.sleep(max(0.0, self.options.kernel_time(info)))
+            seconds = max(0.0, self.options.kernel_time(info))
+            self.modelled.pending += seconds
+            self.modelled.total += seconds
 
     def memory_capacity(self) -> int | None:
         return self.options.capacity_bytes

@@ -81,6 +81,11 @@ class DeviceWorker:
             self._threads[1].join()
             self._threads = []
 
+    def forget_events(self) -> None:
+        """After a failure: drop remembered events, which may carry the error."""
+        self._job_ends.clear()
+        self._compute_marks.clear()
+
     def submit(self, call: Call, job: Job) -> None:
         self.start()
         self._jobs.put((call, job))
@@ -224,7 +229,7 @@ class _JobIssuer:
                     x = inputs
                     for i in job.layers:
                         x = self.run_layer(i, x, m, "forward")
-                    with failure_site(f"loss_fn on microbatch {m}"):
+                    with failure_site(f"loss_fn in {self.name}, microbatch {m}"):
                         loss = call.loss_fn(x[0][0], label)
                         _check_loss(loss)
                 if loss.requires_grad:
@@ -475,8 +480,12 @@ class _JobIssuer:
         info = OpInfo(kind, f"{self.name} mb{m}", layers=tuple(layers), job=self.job.index)
         device = self.device
 
+        where = f"{self.name}, {kind} of microbatch {m}"
+        if len(layers) == 1:
+            where += f" ({self.worker.layers[layers.start]})"
+
         def op() -> None:
-            with failure_site(f"{self.name}, {kind} of microbatch {m}"), device.compute_scope(info):
+            with failure_site(where), device.compute_scope(info):
                 fn()
 
         device.compute.submit(op, info)

@@ -25,6 +25,7 @@ holds the next iteration until the step is done.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Hashable
 from dataclasses import dataclass, field
 
@@ -118,11 +119,17 @@ def steady_iteration_time(
     is_async: bool = True,
 ) -> float:
     """Seconds per iteration once iterations follow each other (the partitioner's objective)."""
-    config = _Config(plan, costs, num_devices, round_size or num_devices, is_async)
+    round_size = round_size or num_devices
+    config = _Config(plan, costs, num_devices, round_size, is_async)
     sim = _Simulation(config)
-    ends = sim.iteration_ends(num_microbatches, STEADY_ITERATIONS)
+    # Iteration times cycle with the round-robin cursor, so average over one whole
+    # cursor period after the warm-up iterations.
+    rounds = math.ceil(num_microbatches / round_size)
+    advance = rounds * (len(plan.forward) + len(plan.backward)) % num_devices
+    period = num_devices // math.gcd(advance, num_devices)
     warm = STEADY_ITERATIONS // 2
-    return (ends[-1] - ends[warm - 1]) / (STEADY_ITERATIONS - warm)
+    ends = sim.iteration_ends(num_microbatches, warm + period)
+    return (ends[-1] - ends[warm - 1]) / period
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,151 @@
+"""RoundPipe's overhead on one emulated device against plain PyTorch (issue 2).
+
+Both sides train the same model on the same CPU over the same microbatches, with
+one optimizer step per iteration:
+
+- RoundPipe: ``devices="emulated:1"``, a fixed microbatch count, synchronous step;
+- PyTorch: every layer wrapped in ``torch.utils.checkpoint`` (full activation
+  recomputation, as RoundPipe does), the sum of microbatch losses, one step.
+
+After warm-up the runs alternate (A, B, A, B, ...) so drift on a shared machine
+hits both alike; the medians and their ratio RoundPipe / PyTorch are printed.
+
+    .venv/bin/python bench/overhead.py --repeats 7
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from roundpipe import RoundPipe, RoundPipeRunConfig
+
+
+class Block(nn.Module):
+    """A pre-norm residual MLP block, the shape of a transformer layer's feed-forward half."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.up = nn.Linear(width, 4 * width)
+        self.down = nn.Linear(4 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(nn.functional.gelu(self.up(self.norm(x))))
+
+
+def build_model(layers: int, width: int) -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(*(Block(width) for _ in range(layers)), nn.Linear(width, 1))
+
+
+def mse_sum(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return nn.functional.mse_loss(output, target, reduction="sum")
+
+
+def roundpipe_step(pipe: RoundPipe, lr: float) -> Callable[..., None]:
+    """One synchronous RoundPipe training step, with the model's run config."""
+    optimizer = torch.optim.Adam(pipe.optim_parameters(), lr=lr)
+
+    def update() -> None:
+        optimizer.step()
+        optimizer.zero_grad()
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> None:
+        pipe.forward_backward((x,), label=y, loss_fn=mse_sum)
+        pipe.step(update, is_async=False)
+
+    return step
+
+
+def pytorch_step(model: nn.Sequential, microbatches: int, lr: float) -> Callable[..., None]:
+    """One plain PyTorch step: per-layer checkpointing, summed microbatch losses."""
+    optimizer = torch.optim.Adam(model.parameters(), lr=lr)
+    *body, head = model
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> None:
+        for xm, ym in zip(x.chunk(microbatches), y.chunk(microbatches), strict=True):
+            h = xm
+            for layer in body:
+                h = checkpoint(layer, h, use_reentrant=False)
+            mse_sum(checkpoint(head, h, use_reentrant=False), ym).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    return step
+
+
+def timed(step: Callable[..., None], x: torch.Tensor, y: torch.Tensor) -> float:
+    start = time.perf_counter()
+    step(x, y)
+    return time.perf_counter() - start
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, default=12, help="residual MLP blocks")
+    parser.add_argument("--width", type=int, default=128, help="hidden size")
+    parser.add_argument("--batch", type=int, default=128, help="samples per step")
+    parser.add_argument("--microbatches", type=int, default=4)
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps of each")
+    parser.add_argument("--repeats", type=int, default=9, help="timed steps of each")
+    parser.add_argument("--plan", help='pin a RoundPipe plan, e.g. "3|10,1,2" (default: auto)')
+    parser.add_argument(
+        "--threads", type=int, default=1, help="torch intra-op threads (1: steady on a busy CPU)"
+    )
+    return parser.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
+    torch.set_num_threads(args.threads)
+    model = build_model(args.layers, args.width)
+    config = RoundPipeRunConfig(num_microbatch=args.microbatches, execute_plan=args.plan)
+    with RoundPipe(copy.deepcopy(model), devices="emulated:1", model_run_config=config) as pipe:
+        steps = {
+            "roundpipe": roundpipe_step(pipe, 1e-4),
+            "pytorch": pytorch_step(copy.deepcopy(model), args.microbatches, 1e-4),
+        }
+        times = run_interleaved(steps, args)
+        plan = pipe.plan
+    report(times, args, plan)
+
+
+def run_interleaved(
+    steps: dict[str, Callable[..., None]], args: argparse.Namespace
+) -> dict[str, list[float]]:
+    """Warm up each, then time them alternately: A, B, A, B, ..."""
+    x = torch.randn(args.batch, args.width)
+    y = torch.randn(args.batch, 1)
+    for _ in range(args.warmup):
+        for step in steps.values():
+            step(x, y)
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    for _ in range(args.repeats):
+        for name, step in steps.items():
+            times[name].append(timed(step, x, y))
+    return times
+
+
+def report(times: dict[str, list[float]], args: argparse.Namespace, plan: object) -> None:
+    medians = {name: statistics.median(t) for name, t in times.items()}
+    print(
+        f"{args.layers} blocks x width {args.width}, batch {args.batch} in "
+        f"{args.microbatches} microbatches, torch threads {torch.get_num_threads()}, "
+        f"{args.repeats} interleaved runs each, roundpipe plan {plan}"
+    )
+    for name, median in medians.items():
+        spread = f"{min(times[name]) * 1e3:.1f}-{max(times[name]) * 1e3:.1f}"
+        print(f"{name:>10}: median {median * 1e3:7.1f} ms/step  (range {spread} ms)")
+    print(f"ratio roundpipe/pytorch: {medians['roundpipe'] / medians['pytorch']:.3f}")
+
+
+if __name__ == "__main__":
+    main()

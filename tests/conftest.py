@@ -1,0 +1,95 @@
+"""Fixtures shared by the runtime tests: a hang guard, auto-closed models, the PyTorch oracle."""
+
+from __future__ import annotations
+
+import copy
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import torch
+from oracle import (
+    assert_grads_close,
+    assert_weights_close,
+    batch,
+    mse_sum,
+    reference_loss_and_grads,
+)
+from torch import nn
+
+from roundpipe import RoundPipe
+
+HANG_LIMIT_S = 30.0
+
+
+@pytest.fixture
+def no_hang() -> Callable[..., Any]:
+    """``no_hang(fn, *args, **kwargs)`` calls ``fn`` on a helper thread and returns its result.
+
+    Its exception is re-raised here; if it has not returned within ``HANG_LIMIT_S``
+    seconds the test fails instead of hanging the suite.
+    """
+
+    def run(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        outcome: dict[str, Any] = {}
+
+        def target() -> None:
+            try:
+                outcome["value"] = fn(*args, **kwargs)
+            except BaseException as exc:  # noqa: BLE001 - re-raised on the test's thread
+                outcome["error"] = exc
+
+        thread = threading.Thread(target=target, name="test-no-hang", daemon=True)
+        thread.start()
+        thread.join(HANG_LIMIT_S)
+        if thread.is_alive():
+            name = getattr(fn, "__qualname__", repr(fn))
+            pytest.fail(f"{name} did not return within {HANG_LIMIT_S:.0f} s (a hang)")
+        if "error" in outcome:
+            raise outcome["error"]
+        return outcome.get("value")
+
+    return run
+
+
+@pytest.fixture
+def wrap(no_hang) -> Iterator[Callable[..., tuple[RoundPipe, nn.Module]]]:
+    """``wrap(module, **options)`` -> ``(RoundPipe(module, ...), untouched copy of module)``.
+
+    Every model built this way is closed when the test ends.
+    """
+    models: list[RoundPipe] = []
+
+    def build(module: nn.Module, **options: Any) -> tuple[RoundPipe, nn.Module]:
+        reference = copy.deepcopy(module)
+        model = RoundPipe(module, **options)
+        models.append(model)
+        return model, reference
+
+    yield build
+    for model in models:
+        no_hang(model.close)
+
+
+@pytest.fixture
+def trains_like_pytorch(no_hang) -> Callable[[RoundPipe, nn.Module], None]:
+    """``trains_like_pytorch(model, reference)`` asserts one call of ``model`` equals PyTorch.
+
+    One ``forward_backward`` + ``synchronize()`` must give the loss, weights and
+    gradients that plain PyTorch gives on ``reference`` (the weights ``model`` should
+    have, with no gradients yet) over the same microbatches.
+    """
+
+    def check(model: RoundPipe, reference: nn.Module) -> None:
+        x, y = batch(seed=7)
+        num_microbatch = model.run_config.num_microbatch or len(model.pool) + 1
+        loss = no_hang(model.forward_backward, (x,), label=y, loss_fn=mse_sum)
+        no_hang(model.synchronize)
+        expected = copy.deepcopy(reference)
+        want = reference_loss_and_grads(expected, x, y, num_microbatch)
+        torch.testing.assert_close(loss, want, atol=1e-5, rtol=1e-6)
+        assert_weights_close(model.model, expected)
+        assert_grads_close(model.model, expected)
+
+    return check
