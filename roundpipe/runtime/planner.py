@@ -3,7 +3,9 @@
 The partitioner runs again only when measurements moved materially since the last
 time it ran (``should_replan``), and its new choice replaces the current plan only
 if the simulator predicts it to be clearly faster under the new measurements, so
-near-ties measured with noise do not make the plan flip back and forth.
+near-ties measured with noise do not make the plan flip back and forth. While the
+plan keeps standing, checks become rarer (every 1, 2, 4, ... calls), so noisy
+measurements of tiny layers do not cost a partitioner run on every call.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ from .profiler import LayerProfiler
 
 MIN_GAIN = 0.05
 """A new plan must be predicted at least this much faster to replace the current one."""
+MAX_INTERVAL = 64
+"""Calls between checks grow (doubling) up to this while the plan keeps standing."""
 
 
 class AutoPlanner:
@@ -27,23 +31,33 @@ class AutoPlanner:
         self._plan: Plan | None = None
         self._costs: LayerCosts | None = None
         self._key: tuple[int, int] | None = None
+        self._interval = 1
+        self._calls_since_check = 0
 
     def plan(self, num_devices: int, num_microbatches: int) -> Plan:
-        costs = self.profiler.costs()
         key = (num_devices, num_microbatches)
         if self._plan is None or self._key != key:
-            self._plan = auto_plan(costs, num_devices, num_microbatches, self.budgets)
+            self._costs, self._key = self.profiler.costs(), key
+            self._plan = auto_plan(self._costs, num_devices, num_microbatches, self.budgets)
             self.replans += 1
-        elif should_replan(self._costs, costs):
-            candidate = auto_plan(costs, num_devices, num_microbatches, self.budgets)
-            if candidate != self._plan and self._predict(candidate, costs, key) < (
-                1 - MIN_GAIN
-            ) * self._predict(self._plan, costs, key):
-                self._plan = candidate
-                self.replans += 1
-        else:
             return self._plan
-        self._costs, self._key = costs, key
+        self._calls_since_check += 1
+        if self._calls_since_check < self._interval:
+            return self._plan
+        self._calls_since_check = 0
+        costs = self.profiler.costs()
+        if not should_replan(self._costs, costs):
+            return self._plan
+        self._costs = costs
+        candidate = auto_plan(costs, num_devices, num_microbatches, self.budgets)
+        if candidate != self._plan and self._predict(candidate, costs, key) < (
+            1 - MIN_GAIN
+        ) * self._predict(self._plan, costs, key):
+            self._plan = candidate
+            self.replans += 1
+            self._interval = 1
+        else:
+            self._interval = min(2 * self._interval, MAX_INTERVAL)
         return self._plan
 
     @staticmethod
