@@ -92,3 +92,44 @@ def test_a_recorded_timeline_exports_to_chrome_trace_and_gantt(tmp_path):
     events = json.loads(trace_path.read_text())["traceEvents"]
     assert sum(e.get("ph") == "X" for e in events) == len(timeline.spans)
     assert gantt_path.read_bytes()[:4] == b"\x89PNG"
+
+
+def slow_fused_time(info) -> float:
+    """Modelled kernel time: the last two layers (the fused stage) are slow."""
+    return sum(0.02 if i >= 4 else 0.001 for i in info.layers)
+
+
+def test_forward_backward_returns_with_the_loss_while_backward_stages_still_run():
+    config = RoundPipeRunConfig(num_microbatch=3, execute_plan="2,2|2,1,1,1,1")
+    options = EmulatedOptions(kernel_time=lambda info: 0.03 if info.kind == "backward" else 0)
+    x, y = batch()
+    with RoundPipe(
+        mlp(), devices="emulated:3", model_run_config=config, emulated_options=options
+    ) as pipe:
+        pipe.forward_backward((x,), label=y, loss_fn=mse_sum)
+        assert not pipe._in_flight[-1].latch.done  # backward stages are still draining
+        pipe.synchronize()
+        assert all(p.grad is not None for p in pipe.model.parameters())
+
+
+def test_a_backward_stage_recomputes_before_its_incoming_gradient_arrives():
+    config = RoundPipeRunConfig(num_microbatch=2, execute_plan="2,2|2,1,1,1,1")
+    options = EmulatedOptions(kernel_time=slow_fused_time)
+    x, y = batch()
+    with RoundPipe(
+        mlp(), devices="emulated:3", model_run_config=config, emulated_options=options
+    ) as pipe:
+        schedule = round_schedules(pipe.plan, 3, num_rounds=1)[0]
+        fused, first_backward = schedule.jobs[2], schedule.jobs[3]
+        pipe.start_timeline()
+        pipe.forward_backward((x,), label=y, loss_fn=mse_sum)
+        pipe.synchronize()
+        spans = pipe.pool.spans()
+    recompute = [
+        s for s in spans if s.info.job == first_backward.index and s.info.kind == "recompute"
+    ]
+    fused_ops = [s for s in spans if s.info.job == fused.index and s.info.kind == "fused"]
+    assert len(recompute) == len(fused_ops) == 2
+    for m in range(2):
+        # microbatch m is recomputed while the fused stage still works on it
+        assert recompute[m].start < fused_ops[m].end

@@ -66,6 +66,7 @@ class DeviceWorker:
     def start(self) -> None:
         if self._threads:
             return
+        _preload_lazy_imports()
         for target, role in ((self._issue_loop, "issue"), (self._followup_loop, "complete")):
             thread = threading.Thread(
                 target=target, name=f"roundpipe-{self.device!r}-{role}", daemon=True
@@ -146,6 +147,13 @@ class DeviceWorker:
             call.latch.count_down(error)
 
         self.after(ends, done, on_error=lambda exc: call.latch.count_down(error or exc))
+
+
+def _preload_lazy_imports() -> None:
+    """``torch.autograd.backward(tensors, grad_tensors)`` imports sympy-heavy modules the
+    first time it runs (~0.5 s); import them here, on the caller's thread, rather than
+    inside the first backward stage's compute op where they would stall the pipeline."""
+    import torch.fx.experimental.symbolic_shapes  # noqa: F401
 
 
 def _job_name(job: Job) -> str:
@@ -253,7 +261,7 @@ class _JobIssuer:
             self.mailbox.post(key, self.download(grad_slot, computed, "grad", m))
 
     def backward_microbatch(self, m: int) -> None:
-        self.backward_layers(self.job.layers, m, self.fetch_grad(self.job.layers.stop, m))
+        self.backward_layers(self.job.layers, m, lambda: self.fetch_grad(self.job.layers.stop, m))
 
     def backward_microbatch_by_layer(self, m: int) -> None:
         def grad():
