@@ -186,20 +186,14 @@ class RoundPipe(nn.Module):
 
     def synchronize(self) -> None:
         """Wait for all queued work; then the model's weights and ``.grad`` are current."""
-        self._check_open()
-        errors = self._drain()
-        if errors:
-            self._fail(errors[0])
+        self._wait_idle()
         self._store.make_model_current()
 
     # -- timelines ------------------------------------------------------------------------
 
     def start_timeline(self) -> None:
         """Record every executed device op from now on (see :meth:`timeline`)."""
-        self._check_open()
-        errors = self._drain()
-        if errors:
-            self._fail(errors[0])
+        self._wait_idle()
         self.pool.start_recording()
         self._timeline_origin = time.perf_counter()
 
@@ -440,6 +434,13 @@ class RoundPipe(nn.Module):
         if handoff.event is not None:
             handoff.event.synchronize()
         return handoff.slot.value
+
+    def _wait_idle(self) -> None:
+        """Wait for every call and step in flight; raise the first error among them."""
+        self._check_open()
+        errors = self._drain()
+        if errors:
+            self._fail(errors[0])
 
     def _drain(self) -> list[BaseException]:
         """Wait for every call and step in flight; return their errors."""
