@@ -55,6 +55,7 @@ class RoundPipe(nn.Module):
         model_run_config: RoundPipeRunConfig | None = None,
         pin_model: str = "alloc",
         emulated_options: EmulatedOptions | None = None,
+        grad_scaler: torch.amp.GradScaler | None = None,
     ) -> None:
         super().__init__()
         layers = sequential_layers(model)
@@ -83,7 +84,8 @@ class RoundPipe(nn.Module):
             DeviceWorker(device, layers, self._store, self._buffer_gates, self.profiler)
             for device in self.pool
         ]
-        self._optimizer = OptimizerThread(self._store)
+        self.grad_scaler = grad_scaler
+        self._optimizer = OptimizerThread(self._store, grad_scaler)
         capacities = [device.memory_capacity() for device in self.pool]
         self.planner = AutoPlanner(self.profiler, None if None in capacities else capacities)
         self._cursor = 0
@@ -257,6 +259,7 @@ class RoundPipe(nn.Module):
     def _backward_call(self, call: Call, grads_per_microbatch: list[list]) -> None:
         """Post the output gradients, run the call's backward jobs and wait for them."""
         layers = self.num_layers
+        call.loss_scale = self._loss_scale()  # the user scaled the loss just before
         for m, grads in enumerate(grads_per_microbatch):
             call.mailbox.post(("grad", layers, m), Handoff(Slot(grads), None))
         backward_jobs = call.schedule.backward_jobs
@@ -412,6 +415,7 @@ class RoundPipe(nn.Module):
             return_outputs=return_outputs,
             seq=self._seq,
             steps_before=self._steps,
+            loss_scale=self._loss_scale(),
             forward_only=forward_only,
         )
         self._seq += 1
@@ -424,6 +428,14 @@ class RoundPipe(nn.Module):
         for job in call.first_jobs:
             self._workers[job.device].submit(call, job)
         return call
+
+    def _loss_scale(self) -> float | None:
+        """The GradScaler's current scale, which this call's losses are multiplied by."""
+        if self.grad_scaler is None or not self.grad_scaler.is_enabled():
+            return None
+        # scale() creates the scaler's state on first use; its step() insists on it.
+        self.grad_scaler.scale(torch.ones((), device=self.pool.devices[0].torch_device))
+        return float(self.grad_scaler.get_scale())
 
     def _device_type(self) -> str:
         return self.pool.devices[0].torch_device.type

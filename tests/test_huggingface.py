@@ -83,7 +83,8 @@ def test_tiny_llama_trains_like_pytorch(grain):
     reference = copy.deepcopy(sequential)
     generator = torch.Generator().manual_seed(3)
     windows = [torch.randint(0, VOCAB, (6, 13), generator=generator) for _ in range(3)]
-    config = RoundPipeRunConfig(num_microbatch=3, recompute_grain=grain, execute_plan="2,2|2,1,1,1,1")
+    plan = "2,2|2,1,1,1,1"
+    config = RoundPipeRunConfig(num_microbatch=3, recompute_grain=grain, execute_plan=plan)
     ref_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2)
     with RoundPipe(sequential, devices="emulated:3", model_run_config=config) as pipe:
         optimizer = torch.optim.AdamW(pipe.optim_parameters(), lr=1e-2)

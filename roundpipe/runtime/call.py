@@ -63,6 +63,8 @@ class Call:
     """Position of this call among its model's calls (orders buffer write-backs)."""
     steps_before: int
     """Optimizer steps queued before this call; its gradients wait until they ran."""
+    loss_scale: float | None = None
+    """GradScaler scale the losses are multiplied by before backward (None: unscaled)."""
     forward_only: bool = False
     mailbox: Mailbox = field(default_factory=Mailbox)
     latch: Latch = field(init=False)

@@ -20,8 +20,9 @@ _STOP = object()
 
 
 class OptimizerThread:
-    def __init__(self, store: ParameterStore) -> None:
+    def __init__(self, store: ParameterStore, grad_scaler=None) -> None:
         self.store = store
+        self.grad_scaler = grad_scaler
         self._tasks: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
 
@@ -62,6 +63,11 @@ class OptimizerThread:
                 continue
             try:
                 with failure_site(f"optimizer step {version} (step_fn)"):
+                    if self.grad_scaler is not None:
+                        # Gradients are kept unscaled (each call may have used another
+                        # scale); scale them by the scaler's current value so its
+                        # unscale_ and inf checks inside step_fn see what they expect.
+                        self.store.scale_grads(float(self.grad_scaler.get_scale()))
                     step_fn()
             except BaseException as exc:  # noqa: BLE001 - reported to the caller
                 self.store.republish_unchanged(version)

@@ -100,14 +100,25 @@ class ParameterStore:
 
     # -- gradients -----------------------------------------------------------------
 
-    def accumulate_grad(self, uid: int, grad: torch.Tensor) -> None:
+    def accumulate_grad(self, uid: int, grad: torch.Tensor, scale: float | None = None) -> None:
+        """Add a downloaded gradient, unscaled by the loss ``scale`` it was computed with."""
         entry = self.entries[uid]
         assert entry.master is not None
+        grad = grad.to(entry.optim_dtype, copy=True)
+        if scale is not None:
+            grad.div_(scale)
         with self._grad_lock:
             if entry.master.grad is None:
-                entry.master.grad = grad.to(entry.optim_dtype, copy=True)
+                entry.master.grad = grad
             else:
-                entry.master.grad.add_(grad.to(entry.optim_dtype))
+                entry.master.grad.add_(grad)
+
+    def scale_grads(self, factor: float) -> None:
+        """Multiply every accumulated gradient by ``factor`` (to hand them to a GradScaler)."""
+        with torch.no_grad():
+            for _, master in self.masters():
+                if master.grad is not None:
+                    master.grad.mul_(factor)
 
     def discard_grads(self) -> None:
         for _, master in self.masters():

@@ -241,8 +241,9 @@ class _JobIssuer:
                         loss = call.loss_fn(x[0][0], label)
                         _check_loss(loss)
                 if loss.requires_grad:
+                    scaled = loss if call.loss_scale is None else loss * call.loss_scale
                     with failure_site(f"{self.name}, backward of microbatch {m}"):
-                        self.timed("backward", job.layers, loss.backward)
+                        self.timed("backward", job.layers, scaled.backward)
             loss_slot.value = loss.detach()
             if call.return_outputs:
                 out_slot.value = x[0][0]
@@ -424,7 +425,7 @@ class _JobIssuer:
             # The optimizer may still be consuming the previous step's gradients.
             store.published.wait_for(self.call.steps_before)
             for uid, grad in downloaded.slot.value.items():
-                store.accumulate_grad(uid, grad)
+                store.accumulate_grad(uid, grad, self.call.loss_scale)
 
         call = self.call
         self.worker.after([downloaded.event], accumulate, on_error=call.latch.fail)
