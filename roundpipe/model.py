@@ -315,6 +315,15 @@ class RoundPipe(nn.Module):
         self._store.adopt_external_writes(force=True)
         return result
 
+    def _apply(self, fn, recurse: bool = True):
+        # .to(), .cuda(), .half() ... would move or recast the host-resident training
+        # state behind the runtime's back; devices get their copies through uploads.
+        raise RuntimeError(
+            "a RoundPipe model keeps its weights in host memory and uploads them itself; "
+            "do not move or cast it with .to()/.cuda()/.half(). Prepare the wrapped model "
+            "(dtype) before wrapping it, and choose devices with devices=..."
+        )
+
     # -- lifetime ------------------------------------------------------------------------
 
     def close(self) -> None:

@@ -278,3 +278,14 @@ def test_bad_pin_model_raises_listing_the_modes(pin_model):
 def test_bad_run_config_value_raises(options, kind, message):
     with pytest.raises(kind, match=message):
         RoundPipeRunConfig(**options)
+
+
+def test_moving_the_wrapped_model_to_another_device_or_dtype_is_refused():
+    from torch import nn
+
+    from roundpipe import RoundPipe
+
+    with RoundPipe(nn.Sequential(nn.Linear(2, 2)), devices="emulated:1") as pipe:
+        with pytest.raises(RuntimeError, match="host memory"):
+            pipe.to(torch.float16)
+        assert next(pipe.model.parameters()).dtype == torch.float32
