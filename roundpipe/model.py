@@ -327,11 +327,13 @@ class RoundPipe(nn.Module):
     # -- lifetime ------------------------------------------------------------------------
 
     def close(self) -> None:
-        """Wait for queued work and stop every thread this model started."""
+        """Wait for queued work, stop every thread this model started, and raise the
+        error of any background work that failed and was not reported yet."""
         if self._closed:
             return
+        errors: list[BaseException] = []
         try:
-            self._drain()
+            errors = self._drain()
         finally:
             self._closed = True
             for worker in self._workers:
@@ -339,12 +341,18 @@ class RoundPipe(nn.Module):
             self._optimizer.stop()
             if self._owns_pool:
                 self.pool.close()
+        if errors:
+            raise errors[0] from errors[0].__cause__
 
     def __enter__(self) -> RoundPipe:
         return self
 
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
+    def __exit__(self, exc_type, exc, traceback) -> None:
+        try:
+            self.close()
+        except Exception:
+            if exc_type is None:
+                raise  # otherwise the exception already propagating is the one to see
 
     # -- internals -----------------------------------------------------------------------
 

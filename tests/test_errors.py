@@ -576,3 +576,11 @@ def test_failure_in_one_model_leaves_another_unaffected(faulty, wrap, no_hang, e
     no_hang(healthy.synchronize)
     torch.testing.assert_close(loss, reference_loss_and_grads(reference, x, y, 3))
     assert_grads_close(healthy.model, reference)
+
+
+def test_close_reports_a_background_failure_nobody_has_seen_yet(faulty):
+    model, _, switch = faulty(IN_FORWARD_AND_BACKWARD_STAGE)
+    switch.arm("backward", at=0)
+    model.forward_backward((batch()[0],), label=batch()[1], loss_fn=mse_sum)
+    with pytest.raises(ValueError, match="injected fault"):
+        model.close()
