@@ -157,6 +157,11 @@ class _Search:
                     if plan is not None and plan not in seen and self._fits(plan):
                         seen.add(plan)
                         yield plan
+        # One layer per stage needs the least memory per stage: if anything fits, it does
+        # (packing under a time cap, then rebalancing, can miss it on a tight budget).
+        finest = Plan((1,) * (self.n - 1), (1,) * self.n)
+        if finest not in seen and self._fits(finest):
+            yield finest
 
     def refine(self, plan: Plan) -> Plan:
         """Move single stage boundaries (and the fused boundary) while it helps."""

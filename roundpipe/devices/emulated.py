@@ -36,8 +36,9 @@ _RANDOM_KINDS = frozenset({"forward", "recompute", "fused"})
 class EmulatedOptions:
     """Models for the emulated backend. All off by default."""
 
-    capacity_bytes: int | None = None
-    """Device memory per device; ``None`` is unlimited."""
+    capacity_bytes: int | tuple[int, ...] | None = None
+    """Device memory per device (one number for all, or one per device, so pools of
+    different sizes can be modelled); ``None`` is unlimited."""
     h2d_gbps: float | None = None
     """Host→device bandwidth per device in GB/s; ``None`` transfers instantly."""
     d2h_gbps: float | None = None
@@ -228,7 +229,7 @@ class EmulatedDevice(Device):
 
     def empty_like(self, host: torch.Tensor) -> torch.Tensor:
         nbytes = host.numel() * host.element_size()
-        capacity = self.options.capacity_bytes
+        capacity = self.memory_capacity()
         with self._mem_lock:
             if capacity is not None and self._allocated + nbytes > capacity:
                 raise torch.OutOfMemoryError(
@@ -277,7 +278,10 @@ class EmulatedDevice(Device):
             self.modelled.total += seconds
 
     def memory_capacity(self) -> int | None:
-        return self.options.capacity_bytes
+        capacity = self.options.capacity_bytes
+        if isinstance(capacity, (tuple, list)):
+            return capacity[self.index]
+        return capacity
 
     def get_rng_state(self) -> torch.Tensor:
         return torch.get_rng_state()
@@ -303,6 +307,11 @@ class EmulatedDevicePool(DevicePool):
         if num_devices < 1:
             raise ValueError(f"an emulated pool needs at least one device, got {num_devices}")
         self.options = options or EmulatedOptions()
+        capacity = self.options.capacity_bytes
+        if isinstance(capacity, (tuple, list)) and len(capacity) != num_devices:
+            raise ValueError(
+                f"capacity_bytes lists {len(capacity)} capacities for {num_devices} devices"
+            )
         self.devices = [EmulatedDevice(self, i, self.options) for i in range(num_devices)]
         self._recording = False
         self._spans: list[SpanRecord] = []
