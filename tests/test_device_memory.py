@@ -68,7 +68,10 @@ def test_the_automatic_plan_fits_a_pool_of_unequal_devices():
     assert all(peak <= cap for peak, cap in zip(peaks, capacities, strict=True))
     # a plan sized for the big devices does not fit the small one
     config = RoundPipeRunConfig(execute_plan="3,3|2,2,2,2")
-    with pytest.raises(torch.OutOfMemoryError, match="emulated device 1"), RoundPipe(
-        wide_model(), devices="emulated:4", model_run_config=config, emulated_options=options
-    ) as wrapped:
+    with (
+        pytest.raises(torch.OutOfMemoryError, match="emulated device 1"),
+        RoundPipe(
+            wide_model(), devices="emulated:4", model_run_config=config, emulated_options=options
+        ) as wrapped,
+    ):
         wrapped.forward_backward((x,), label=y, loss_fn=mse_sum)

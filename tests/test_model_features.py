@@ -13,6 +13,13 @@ from torch import nn
 from roundpipe import RoundPipe, RoundPipeRunConfig
 
 
+def pipe_on(model: nn.Module, devices: int, **config) -> RoundPipe:
+    """``model`` wrapped on ``devices`` emulated devices with the given run config."""
+    return RoundPipe(
+        model, devices=f"emulated:{devices}", model_run_config=RoundPipeRunConfig(**config)
+    )
+
+
 class RecordingDropout(nn.Module):
     """Dropout that logs its masks: by phase (no-grad forward vs grad-enabled run)."""
 
@@ -146,9 +153,7 @@ def test_frozen_parameters_get_no_master_copy_and_no_gradient():
         p.requires_grad_(False)
     reference = copy.deepcopy(model)
     x, y = batch()
-    with RoundPipe(
-        model, devices="emulated:2", model_run_config=RoundPipeRunConfig(num_microbatch=3)
-    ) as wrapped:
+    with pipe_on(model, devices=2, num_microbatch=3) as wrapped:
         trainable = sum(p.requires_grad for p in model.parameters())
         assert len(list(wrapped.optim_parameters())) == trainable
         optimizer = torch.optim.SGD(wrapped.optim_parameters(), lr=0.1)
@@ -270,9 +275,7 @@ def test_two_plain_forwards_then_one_backward_accumulate_both():
     model = mlp()
     reference = copy.deepcopy(model)
     (x1, y1), (x2, y2) = batch(1), batch(2)
-    with RoundPipe(
-        model, devices="emulated:2", model_run_config=RoundPipeRunConfig(num_microbatch=3)
-    ) as wrapped:
+    with pipe_on(model, devices=2, num_microbatch=3) as wrapped:
         total = mse_sum(wrapped(x1), y1) + 0.5 * mse_sum(wrapped(x2), y2)
         total.backward()
         wrapped.synchronize()
@@ -284,9 +287,7 @@ def test_backward_through_a_plain_forward_with_dropout_uses_the_forward_masks():
     model = dropout_model()
     reference = copy.deepcopy(model)
     x, y = batch()
-    with RoundPipe(
-        model, devices="emulated:2", model_run_config=RoundPipeRunConfig(num_microbatch=3)
-    ) as wrapped:
+    with pipe_on(model, devices=2, num_microbatch=3) as wrapped:
         mse_sum(wrapped(x), y).backward()
         wrapped.synchronize()
         logs = collect_logs(wrapped)
@@ -301,9 +302,7 @@ def test_forward_backward_can_return_merged_outputs():
     model = mlp()
     reference = copy.deepcopy(model)
     x, y = batch()
-    with RoundPipe(
-        model, devices="emulated:2", model_run_config=RoundPipeRunConfig(num_microbatch=4)
-    ) as wrapped:
+    with pipe_on(model, devices=2, num_microbatch=4) as wrapped:
         _, outputs = wrapped.forward_backward((x,), label=y, loss_fn=mse_sum, return_outputs=True)
     torch.testing.assert_close(outputs, reference(x).detach())
 
@@ -333,9 +332,7 @@ def test_weights_loaded_after_the_optimizer_exists_are_used_and_kept():
 def test_in_place_writes_to_model_weights_are_adopted():
     x, y = batch()
     model = mlp()
-    with RoundPipe(
-        model, devices="emulated:2", model_run_config=RoundPipeRunConfig(num_microbatch=3)
-    ) as wrapped:
+    with pipe_on(model, devices=2, num_microbatch=3) as wrapped:
         list(wrapped.optim_parameters())  # masters exist
         with torch.no_grad():
             model[0].weight.mul_(2.0)
@@ -391,9 +388,7 @@ def test_synchronize_never_drops_pending_gradients():
     x, y = batch()
     model = mlp()
     reference = copy.deepcopy(model)
-    with RoundPipe(
-        model, devices="emulated:2", model_run_config=RoundPipeRunConfig(num_microbatch=3)
-    ) as wrapped:
+    with pipe_on(model, devices=2, num_microbatch=3) as wrapped:
         wrapped.forward_backward((x,), label=y, loss_fn=mse_sum)
         wrapped.synchronize()
         wrapped.synchronize()
