@@ -154,11 +154,16 @@ def test_forward_stage_layer_error_names_stage_layer_and_microbatch(faulty, erro
     )
 
 
-def test_model_trains_like_pytorch_after_forward_stage_layer_error(
-    faulty, error_of, trains_like_pytorch
+@pytest.mark.parametrize(
+    "position, phase, at",
+    [(IN_FORWARD_AND_BACKWARD_STAGE, "forward", 1), (IN_FUSED_STAGE, "grad forward", 2)],
+    ids=["forward-stage", "fused-stage"],
+)
+def test_model_trains_like_pytorch_after_a_layer_error(
+    position, phase, at, faulty, error_of, trains_like_pytorch
 ):
-    model, reference, switch = faulty(IN_FORWARD_AND_BACKWARD_STAGE)
-    switch.arm("forward", at=1)
+    model, reference, switch = faulty(position)
+    switch.arm(phase, at=at)
     error_of(train_call, model)
     trains_like_pytorch(model, reference)
 
@@ -170,15 +175,6 @@ def test_fused_stage_layer_error_names_stage_layer_and_microbatch(faulty, error_
     assert_reports(
         error, ValueError, "injected fault", r"fused stage 0\b", r"\blayer 4\b", r"microbatch 2\b"
     )
-
-
-def test_model_trains_like_pytorch_after_fused_stage_layer_error(
-    faulty, error_of, trains_like_pytorch
-):
-    model, reference, switch = faulty(IN_FUSED_STAGE)
-    switch.arm("grad forward", at=2)
-    error_of(train_call, model)
-    trains_like_pytorch(model, reference)
 
 
 def infer(model: RoundPipe) -> torch.Tensor:
