@@ -6,7 +6,7 @@ thread and touches no device.
 """
 
 from .config import RoundPipeRunConfig
-from .devices import DevicePool, EmulatedDevicePool, EmulatedOptions, make_pool
+from .devices import DevicePool, EmulatedDevicePool, EmulatedOptions, OpInfo, make_pool
 from .errors import RoundPipeError
 from .model import RoundPipe
 from .plan import Plan, PlanError
@@ -18,6 +18,7 @@ __all__ = [
     "EmulatedOptions",
     "Job",
     "JobKind",
+    "OpInfo",
     "Plan",
     "PlanError",
     "RoundPipe",
