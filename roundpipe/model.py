@@ -264,7 +264,8 @@ class RoundPipe(nn.Module):
             call.mailbox.post(("grad", layers, m), Handoff(Slot(grads), None))
         backward_jobs = call.schedule.backward_jobs
         call.latch.add(len(backward_jobs))
-        self._in_flight.append(call)
+        if call not in self._in_flight:
+            self._in_flight.append(call)
         for job in backward_jobs:
             self._workers[job.device].submit(call, job)
         error = call.latch.wait()
@@ -432,7 +433,7 @@ class RoundPipe(nn.Module):
             return_outputs=return_outputs,
             seq=self._seq,
             steps_before=self._steps,
-            loss_scale=self._loss_scale(),
+            loss_scale=self._loss_scale() if loss_fn is not None else None,
             forward_only=forward_only,
         )
         self._seq += 1

@@ -26,6 +26,8 @@ from typing import Any
 import torch
 
 STREAM_NAMES = ("compute", "weight_upload", "act_upload", "download")
+RANDOM_KINDS = frozenset({"forward", "recompute", "fused"})
+"""Compute ops that may draw random numbers (dropout): their RNG use must be atomic."""
 
 
 @dataclass(frozen=True)

@@ -27,11 +27,20 @@ from collections.abc import Callable
 
 import torch
 
-from .base import STREAM_NAMES, Device, DevicePool, Event, OpInfo, SpanRecord, Stream, Timer
+from .base import (
+    RANDOM_KINDS,
+    STREAM_NAMES,
+    Device,
+    DevicePool,
+    Event,
+    OpInfo,
+    SpanRecord,
+    Stream,
+    Timer,
+)
 
 # Lower number = higher priority. Critical-path activation uploads go first and
 # weight prefetch fills the gaps (DESIGN.md §4).
-_RANDOM_KINDS = frozenset({"forward", "recompute", "fused"})
 _STREAM_PRIORITY = {"compute": 0, "weight_upload": 0, "act_upload": -1, "download": 0}
 
 
@@ -129,7 +138,7 @@ class CudaDevice(Device):
         # Random kernels draw their offsets from the GPU's generator when launched.
         # Workers sharing one GPU (e.g. "cuda:0,0") must not interleave "capture or
         # restore the state, then launch", so those launches hold the GPU's lock.
-        if info.kind in _RANDOM_KINDS:
+        if info.kind in RANDOM_KINDS:
             return self.pool._rng_locks[self.index]
         return contextlib.nullcontext()
 

@@ -24,12 +24,21 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import STREAM_NAMES, Device, DevicePool, Event, OpInfo, SpanRecord, Stream, Timer
+from .base import (
+    RANDOM_KINDS,
+    STREAM_NAMES,
+    Device,
+    DevicePool,
+    Event,
+    OpInfo,
+    SpanRecord,
+    Stream,
+    Timer,
+)
 
 # The CPU generator is one per process, so is the lock that makes "capture RNG
 # state, then draw from it" atomic across emulated devices (and across pools).
 _CPU_RNG_LOCK = threading.RLock()
-_RANDOM_KINDS = frozenset({"forward", "recompute", "fused"})
 
 
 @dataclass(frozen=True)
@@ -264,7 +273,7 @@ class EmulatedDevice(Device):
         return resident is tensor
 
     def compute_scope(self, info: OpInfo) -> contextlib.AbstractContextManager[None]:
-        if info.kind in _RANDOM_KINDS:
+        if info.kind in RANDOM_KINDS:
             return _CPU_RNG_LOCK
         return contextlib.nullcontext()
 

@@ -132,9 +132,7 @@ class ParameterStore:
             for entry in self.entries.values():
                 if entry.master is None:
                     continue
-                if version % 2 and entry.spare is None:
-                    entry.spare = self._pin(torch.empty_like(entry.param.data))
-                entry.upload_source(version).copy_(entry.master)
+                self._writable_source(entry, version).copy_(entry.master)
         self.published.advance_to(version)
 
     def republish_unchanged(self, version: int) -> None:
@@ -144,13 +142,17 @@ class ParameterStore:
                 if entry.master is None:
                     continue
                 previous = entry.upload_source(version - 1)
-                if version % 2 and entry.spare is None:
-                    entry.spare = self._pin(torch.empty_like(entry.param.data))
-                target = entry.upload_source(version)
+                target = self._writable_source(entry, version)
                 if target is not previous:
                     target.copy_(previous)
                 entry.master.copy_(previous)
         self.published.advance_to(version)
+
+    def _writable_source(self, entry: ParamEntry, version: int) -> torch.Tensor:
+        """The upload buffer of ``version``, allocating the odd-version one on first use."""
+        if version % 2 and entry.spare is None:
+            entry.spare = self._pin(torch.empty_like(entry.param.data))
+        return entry.upload_source(version)
 
     def make_model_current(self) -> None:
         """With nothing in flight: the user's parameters and ``.grad`` show the newest state."""

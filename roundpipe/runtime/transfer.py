@@ -80,21 +80,21 @@ def pair_outputs_with_grads(
 
 
 def plan_chunks(
-    nbytes: list[int], element_sizes: list[int], limit: int | None
+    numels: list[int], element_sizes: list[int], limit: int | None
 ) -> list[list[tuple[int, int, int]]]:
-    """Cut tensors into upload chunks of at most ``limit`` bytes.
+    """Cut tensors of ``numels`` elements into upload chunks of at most ``limit`` bytes.
 
     Returns chunks of ``(tensor index, first element, end element)`` pieces: small
     tensors are grouped, a tensor larger than ``limit`` is split into flat slices.
     ``limit=None`` gives one chunk holding everything.
     """
-    sizes = list(zip(nbytes, element_sizes, strict=True))
+    sizes = list(zip(numels, element_sizes, strict=True))
     if limit is None:
-        return [[(i, 0, n // e) for i, (n, e) in enumerate(sizes)]] if sizes else []
+        return [[(i, 0, count) for i, (count, _) in enumerate(sizes)]] if sizes else []
     chunks: list[list[tuple[int, int, int]]] = []
     room = 0
-    for index, (size, element) in enumerate(sizes):
-        start, count = 0, size // element
+    for index, (count, element) in enumerate(sizes):
+        start = 0
         while True:
             if room < element or not chunks:
                 chunks.append([])

@@ -350,7 +350,7 @@ class _JobIssuer:
         version = self.call.weights_version
         sources = [store.entries[uid].upload_source(version) for uid in uids]
         pieces = plan_chunks(
-            [_nbytes(t) for t in sources],
+            [t.numel() for t in sources],
             [t.element_size() for t in sources],
             self.call.chunk_bytes,
         )
@@ -534,7 +534,3 @@ def _check_loss(loss) -> None:
             f"loss_fn must return a scalar tensor, got {type(loss).__name__}"
             + (f" of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else "")
         )
-
-
-def _nbytes(tensor: torch.Tensor) -> int:
-    return tensor.numel() * tensor.element_size()
