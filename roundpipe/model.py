@@ -112,7 +112,10 @@ class RoundPipe(nn.Module):
         choice for the measured per-layer times (size-based estimates before the first
         measurements), chosen again only when the measurements move materially.
         """
-        return self._plan_for(self.run_config)
+        pinned = self.run_config.execute_plan
+        if isinstance(pinned, Plan):
+            return pinned.validate(self.num_layers)
+        return self.planner.current(len(self.pool), self._microbatch_count(self.run_config))
 
     def extra_repr(self) -> str:
         return f"devices={self.pool!r}, plan={self.plan}"

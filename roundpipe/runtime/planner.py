@@ -34,13 +34,20 @@ class AutoPlanner:
         self._interval = 1
         self._calls_since_check = 0
 
-    def plan(self, num_devices: int, num_microbatches: int) -> Plan:
+    def current(self, num_devices: int, num_microbatches: int) -> Plan:
+        """The plan in force, without counting a call (a first plan is chosen if needed)."""
         key = (num_devices, num_microbatches)
         if self._plan is None or self._key != key:
             self._costs, self._key = self.profiler.costs(), key
             self._plan = auto_plan(self._costs, num_devices, num_microbatches, self.budgets)
             self.replans += 1
-            return self._plan
+        return self._plan
+
+    def plan(self, num_devices: int, num_microbatches: int) -> Plan:
+        """The plan for a call starting now; re-plans when measurements warrant it."""
+        key = (num_devices, num_microbatches)
+        if self._plan is None or self._key != key:
+            return self.current(*key)
         self._calls_since_check += 1
         if self._calls_since_check < self._interval:
             return self._plan
