@@ -79,37 +79,12 @@ class Schedule:
 
 def lower(plan: Plan, num_devices: int, first_device: int = 0) -> Schedule:
     """Lower ``plan`` to the ordered job list for a pool of ``num_devices`` devices."""
-    if num_devices < 1:
-        raise ValueError(f"num_devices must be at least 1, got {num_devices}")
-    plan.validate(plan.num_layers)
-    first_device %= num_devices
-    jobs: list[Job] = []
-    forward_job_of_layer: dict[int, int] = {}
-
-    def add(kind: JobKind, stage: int, layers: range, saved_from: int | None) -> None:
-        index = len(jobs)
-        jobs.append(
-            Job(
-                index=index,
-                kind=kind,
-                stage=stage,
-                layers=layers,
-                device=(first_device + index) % num_devices,
-                input_from=index - 1 if index else None,
-                saved_input_from=saved_from,
-            )
-        )
-
-    for stage, layers in enumerate(plan.forward_ranges()):
-        for layer in layers:
-            forward_job_of_layer[layer] = len(jobs)
-        add(JobKind.FORWARD, stage, layers, None)
-    for stage, layers in enumerate(plan.backward_ranges()):
-        if stage == 0:
-            add(JobKind.FUSED, stage, layers, None)
-        else:
-            add(JobKind.BACKWARD, stage, layers, forward_job_of_layer[layers.start])
-    return Schedule(plan=plan, num_devices=num_devices, first_device=first_device, jobs=tuple(jobs))
+    forward = [(JobKind.FORWARD, stage, r) for stage, r in enumerate(plan.forward_ranges())]
+    backward = [
+        (JobKind.FUSED if stage == 0 else JobKind.BACKWARD, stage, r)
+        for stage, r in enumerate(plan.backward_ranges())
+    ]
+    return _schedule(plan, num_devices, first_device, forward + backward)
 
 
 def lower_unfused(
@@ -121,25 +96,40 @@ def lower_unfused(
     Used when the loss is not part of the call: inference, and ``model(x)`` followed
     by a later ``.backward()`` on its output.
     """
+    ranges = [*plan.forward_ranges(), plan.fused_range()]
+    stages = [(JobKind.FORWARD, stage, r) for stage, r in enumerate(ranges)]
+    if with_backward:
+        stages += [(JobKind.BACKWARD, stage, r) for stage, r in enumerate(plan.backward_ranges())]
+    return _schedule(plan, num_devices, first_device, stages)
+
+
+def _schedule(
+    plan: Plan, num_devices: int, first_device: int, stages: list[tuple[JobKind, int, range]]
+) -> Schedule:
+    """Jobs for ``stages`` in order, round-robin from ``first_device``; a backward job
+    recomputes from the input saved by the forward job that ran its first layer."""
     if num_devices < 1:
         raise ValueError(f"num_devices must be at least 1, got {num_devices}")
+    plan.validate(plan.num_layers)
     first_device %= num_devices
-    stages = [(JobKind.FORWARD, r) for r in [*plan.forward_ranges(), plan.fused_range()]]
-    forward_job_of_layer = {layer: i for i, (_, r) in enumerate(stages) for layer in r}
-    if with_backward:
-        stages += [(JobKind.BACKWARD, r) for r in plan.backward_ranges()]
-    jobs = []
-    for index, (kind, layers) in enumerate(stages):
-        backward = kind is JobKind.BACKWARD
-        jobs.append(
-            Job(
-                index=index,
-                kind=kind,
-                stage=index - (len(plan.forward) + 1) * backward,
-                layers=layers,
-                device=(first_device + index) % num_devices,
-                input_from=index - 1 if index else None,
-                saved_input_from=forward_job_of_layer[layers.start] if backward else None,
-            )
+    forward_job_of_layer = {
+        layer: index
+        for index, (kind, _, layers) in enumerate(stages)
+        if kind is JobKind.FORWARD
+        for layer in layers
+    }
+    jobs = tuple(
+        Job(
+            index=index,
+            kind=kind,
+            stage=stage,
+            layers=layers,
+            device=(first_device + index) % num_devices,
+            input_from=index - 1 if index else None,
+            saved_input_from=(
+                forward_job_of_layer[layers.start] if kind is JobKind.BACKWARD else None
+            ),
         )
-    return Schedule(plan=plan, num_devices=num_devices, first_device=first_device, jobs=tuple(jobs))
+        for index, (kind, stage, layers) in enumerate(stages)
+    )
+    return Schedule(plan=plan, num_devices=num_devices, first_device=first_device, jobs=jobs)
