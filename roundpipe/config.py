@@ -53,6 +53,10 @@ class RoundPipeRunConfig:
             raise ValueError(
                 f"num_microbatch must be a positive integer or None, got {self.num_microbatch!r}"
             )
+        if not isinstance(self.recompute_grain, str):
+            raise TypeError(
+                f"recompute_grain must be one of {RECOMPUTE_GRAINS}, got {self.recompute_grain!r}"
+            )
         if self.recompute_grain not in RECOMPUTE_GRAINS:
             raise ValueError(
                 f"recompute_grain must be one of {RECOMPUTE_GRAINS}, got {self.recompute_grain!r}"
@@ -64,6 +68,16 @@ class RoundPipeRunConfig:
                 "execute_plan must be a Plan, a string like '3,3|2,1,1,1,1,1,1' or None, "
                 f"got {type(self.execute_plan).__name__}"
             )
+        if not isinstance(self.preserve_rng_state, bool):
+            raise TypeError(
+                f"preserve_rng_state must be True or False, got {self.preserve_rng_state!r}"
+            )
+        for name in ("split_input", "split_label", "merge_output"):
+            value = getattr(self, name)
+            if value is not None and not callable(value):
+                raise TypeError(f"{name} must be a function or None, got {type(value).__name__}")
+        _check_count("weight_chunk_bytes", self.weight_chunk_bytes, optional=True)
+        _check_count("prefetch_stages", self.prefetch_stages)
         if not 1 <= self.prefetch_stages <= 4:
             raise ValueError(f"prefetch_stages must be 1 to 4, got {self.prefetch_stages}")
         if self.weight_chunk_bytes is not None and self.weight_chunk_bytes < 1:
@@ -71,3 +85,22 @@ class RoundPipeRunConfig:
 
     def replace(self, **changes: Any) -> RoundPipeRunConfig:
         return replace(self, **changes)
+
+
+def _check_count(name: str, value: object, optional: bool = False) -> None:
+    if optional and value is None:
+        return
+    if not isinstance(value, int) or isinstance(value, bool):
+        what = "an integer or None" if optional else "an integer"
+        raise TypeError(f"{name} must be {what}, got {type(value).__name__} {value!r}")
+
+
+def checked_run_config(value: object, argument: str) -> RoundPipeRunConfig | None:
+    """``value`` if it is a :class:`RoundPipeRunConfig` or None, else a TypeError naming
+    ``argument`` (e.g. a dict of options, which would fail later with an AttributeError)."""
+    if value is None or isinstance(value, RoundPipeRunConfig):
+        return value
+    hint = f"; write {argument}=RoundPipeRunConfig(**{value!r})" if isinstance(value, dict) else ""
+    raise TypeError(
+        f"{argument} must be a RoundPipeRunConfig or None, got {type(value).__name__}{hint}"
+    )

@@ -2,15 +2,33 @@
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
-
 import torch
 
 _OOM_ADVICE = (
     "Try more microbatches (RoundPipeRunConfig(num_microbatch=...)), a plan with smaller "
     "stages (execute_plan=...), recompute_grain='layer', or more device memory."
 )
+
+
+_BYTE_UNITS = ("KiB", "MiB", "GiB", "TiB", "PiB")
+
+
+def format_bytes(nbytes: float) -> str:
+    """``nbytes`` for people: ``"576 B"``, ``"1.50 KiB"``, ``"118 MiB"`` (3 significant digits).
+
+    Every message that prints a size goes through here.
+    """
+    value = abs(float(nbytes))
+    sign = "-" if nbytes < 0 else ""
+    if value < 1024:
+        return f"{sign}{value:.0f} B"
+    for unit in _BYTE_UNITS:
+        value /= 1024
+        rounded = float(f"{value:.3g}")
+        if rounded < 1024 or unit == _BYTE_UNITS[-1]:
+            break
+    decimals = 2 if rounded < 10 else 1 if rounded < 100 else 0
+    return f"{sign}{rounded:.{decimals}f} {unit}"
 
 
 class RoundPipeError(RuntimeError):
@@ -51,13 +69,23 @@ def locate(exc: BaseException, where: str) -> BaseException:
     return located
 
 
-@contextlib.contextmanager
-def failure_site(where: str) -> Iterator[None]:
-    """Re-raise any exception from the block as one that names ``where``."""
-    try:
-        yield
-    except BaseException as exc:
-        located = locate(exc, where)
+class failure_site:  # noqa: N801 - used like a function: ``with failure_site(...)``
+    """Re-raise any exception from the block as one that names ``where``.
+
+    A class, not a generator: a ``StopIteration`` raised in the block would turn
+    into "generator raised StopIteration" inside a generator-based context manager.
+    """
+
+    def __init__(self, where: str) -> None:
+        self.where = where
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, exc_type, exc: BaseException | None, traceback) -> bool:
+        if exc is None:
+            return False
+        located = locate(exc, self.where)
         if located is exc:
-            raise
+            return False
         raise located from exc

@@ -35,7 +35,13 @@ def batch_size(tree: Any, what: str) -> int | None:
             f"the tensors in {what} disagree on the batch size (dim 0): {sorted(sizes)}; "
             "pass a custom split function in RoundPipeRunConfig"
         )
-    return next(iter(sizes), None)
+    size = next(iter(sizes), None)
+    if size == 0:
+        raise ValueError(
+            f"the batch in {what} is empty (dim 0 has size 0): there is nothing to split into "
+            "microbatches; pass at least one sample"
+        )
+    return size
 
 
 def split_tree(tree: Any, num: int) -> list[Any]:

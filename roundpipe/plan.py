@@ -13,7 +13,8 @@ backward stages ``[5:6] [4:5] ... [0:1]`` (deepest first, the order they run in)
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import operator
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 
@@ -34,8 +35,8 @@ class Plan:
     backward: tuple[int, ...]
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "forward", tuple(int(n) for n in self.forward))
-        object.__setattr__(self, "backward", tuple(int(n) for n in self.backward))
+        object.__setattr__(self, "forward", _layer_counts("forward", self.forward))
+        object.__setattr__(self, "backward", _layer_counts("backward", self.backward))
 
     @property
     def num_layers(self) -> int:
@@ -110,6 +111,36 @@ class Plan:
                 if not touching:
                     raise PlanError(f"{side} stages {a} and {b} are not contiguous and in order")
         return cls(tuple(len(r) for r in forward), tuple(len(r) for r in backward))
+
+
+def _layer_counts(side: str, sizes: Iterable[int]) -> tuple[int, ...]:
+    """``sizes`` as a tuple of ints; anything but a whole, non-negative count is refused.
+
+    (Empty stages are refused by :meth:`Plan.validate`: a plan is data, and the CLI
+    spells a fused stage holding only the head as ``0``.)
+    """
+    try:
+        if isinstance(sizes, (str, bytes)):
+            raise TypeError
+        sizes = list(sizes)
+    except TypeError:
+        raise PlanError(
+            f"{side} stage sizes must be a sequence of layer counts, got {sizes!r}"
+        ) from None
+    counts = []
+    for size in sizes:
+        try:
+            if isinstance(size, bool):
+                raise TypeError
+            count = operator.index(size)
+        except TypeError:
+            raise PlanError(
+                f"{side} stage sizes are layer counts (whole numbers), got {size!r} in {sizes!r}"
+            ) from None
+        if count < 0:
+            raise PlanError(f"{side} stage sizes cannot be negative, got {count} in {sizes}")
+        counts.append(count)
+    return tuple(counts)
 
 
 def _parse_sizes(text: str) -> tuple[int, ...]:

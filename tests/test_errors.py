@@ -453,27 +453,40 @@ def test_failing_synchronous_step_raises_naming_the_step(faulty, no_hang, error_
     assert_reports(error, ArithmeticError, "injected fault in step_fn", "optimizer step 1")
 
 
-def test_failing_synchronous_step_leaves_the_weights_unchanged(faulty, no_hang, error_of):
+def sgd_applied(reference: nn.Module, times: int) -> nn.Module:
+    """``reference`` after ``times`` SGD steps (lr 0.1) with the gradients of one call."""
+    expected = copy.deepcopy(reference)
+    x, y = batch()
+    reference_loss_and_grads(expected, x, y, NUM_MICROBATCH)
+    optimizer = torch.optim.SGD(expected.parameters(), lr=0.1)
+    for _ in range(times):
+        optimizer.step()
+    return expected
+
+
+def test_failing_synchronous_step_leaves_the_weights_as_step_fn_left_them(
+    faulty, no_hang, error_of
+):
+    # step_fn ran optimizer.step() and then raised: like PyTorch, nothing is rolled back.
     model, reference, _ = faulty(IN_FUSED_STAGE)
     optimizer = torch.optim.SGD(model.optim_parameters(), lr=0.1)
     no_hang(train_call, model)
     error_of(model.step, failing_step(optimizer), is_async=False)
     no_hang(model.synchronize)
-    for got, want in zip(model.model.parameters(), reference.parameters(), strict=True):
-        torch.testing.assert_close(got.detach(), want, rtol=0, atol=0)
+    expected = sgd_applied(reference, times=1)
+    for got, want in zip(model.model.parameters(), expected.parameters(), strict=True):
+        torch.testing.assert_close(got.detach(), want.detach(), atol=1e-6, rtol=1e-6)
 
 
-def test_failed_synchronous_step_can_be_retried(faulty, no_hang, error_of):
+def test_failed_synchronous_step_can_be_retried_with_the_kept_gradients(faulty, no_hang, error_of):
+    # The gradients are kept, so the retry applies them again, as PyTorch would.
     model, reference, _ = faulty(IN_FUSED_STAGE)
     optimizer = torch.optim.SGD(model.optim_parameters(), lr=0.1)
     no_hang(train_call, model)
     error_of(model.step, failing_step(optimizer), is_async=False)
     no_hang(model.step, sgd_step(optimizer), is_async=False)
     no_hang(model.synchronize)
-    x, y = batch()
-    expected = copy.deepcopy(reference)
-    reference_loss_and_grads(expected, x, y, NUM_MICROBATCH)
-    sgd_step(torch.optim.SGD(expected.parameters(), lr=0.1))()
+    expected = sgd_applied(reference, times=2)
     for got, want in zip(model.model.parameters(), expected.parameters(), strict=True):
         torch.testing.assert_close(got.detach(), want.detach(), atol=1e-6, rtol=1e-6)
 
@@ -503,9 +516,11 @@ def test_model_trains_like_pytorch_after_failing_async_step(
     faulty, no_hang, error_of, trains_like_pytorch
 ):
     model, reference, _ = faulty(IN_FUSED_STAGE)
+    optimizer = torch.optim.SGD(model.optim_parameters(), lr=0.1)
     run_failed_async_step(model, no_hang)
-    error_of(train_call, model)
-    trains_like_pytorch(model, reference)
+    error_of(train_call, model)  # reports the step's failure; this call does not run
+    no_hang(model.step, sgd_step(optimizer), is_async=False)  # applies the kept gradients
+    trains_like_pytorch(model, sgd_applied(reference, times=2))
 
 
 # -- lifetime and several models --------------------------------------------------------

@@ -53,16 +53,13 @@ def make_pool(
         spec = _default_spec()
     if not isinstance(spec, str):
         raise TypeError(f"devices must be a spec string or a DevicePool, got {type(spec).__name__}")
-    kind, _, rest = spec.strip().partition(":")
+    kind, colon, rest = spec.strip().partition(":")
+    kind = kind.strip()
     if kind == "emulated":
-        try:
-            count = int(rest) if rest else 2
-        except ValueError:
-            raise ValueError(
-                f"bad device spec {spec!r}: write 'emulated:N', e.g. 'emulated:4'"
-            ) from None
+        count = _emulated_count(spec, rest if colon else None)
         return EmulatedDevicePool(count, emulated_options)
     if kind == "cuda":
+        indices = _cuda_indices(spec, rest if colon else None)
         from .cuda import CudaDevicePool  # imported lazily: touches CUDA
 
         if not torch.cuda.is_available():
@@ -70,14 +67,40 @@ def make_pool(
                 f"device spec {spec!r} asks for CUDA, but torch.cuda is not available here; "
                 "use 'emulated:N' to run on the CPU"
             )
-        try:
-            indices = [int(i) for i in rest.split(",")] if rest else None
-        except ValueError:
-            raise ValueError(f"bad device spec {spec!r}: write 'cuda' or 'cuda:0,2'") from None
         return CudaDevicePool(
             indices if indices is not None else list(range(torch.cuda.device_count()))
         )
     raise ValueError(f"unknown device spec {spec!r}: use 'cuda', 'cuda:0,2' or 'emulated:N'")
+
+
+def _emulated_count(spec: str, count: str | None) -> int:
+    """The N of ``"emulated:N"``; it must be written and at least 1."""
+    try:
+        number = int(count) if count is not None else None
+    except ValueError:
+        number = None
+    if number is None or number < 1:
+        raise ValueError(
+            f"bad device spec {spec!r}: an emulated pool needs at least one device; write "
+            "'emulated:N' with N >= 1, e.g. 'emulated:4'"
+        )
+    return number
+
+
+def _cuda_indices(spec: str, indices: str | None) -> list[int] | None:
+    """The GPU indices of ``"cuda:0,2"``; ``None`` for all GPUs (``"cuda"``)."""
+    if indices is None:
+        return None
+    try:
+        parsed = [int(i) for i in indices.split(",")]
+    except ValueError:
+        parsed = []
+    if not parsed or min(parsed) < 0:
+        raise ValueError(
+            f"bad device spec {spec!r}: write 'cuda' (all GPUs) or GPU indices >= 0 "
+            "such as 'cuda:0,2'"
+        )
+    return parsed
 
 
 def _default_spec() -> str:

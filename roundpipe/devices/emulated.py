@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..errors import format_bytes
 from .base import (
     RANDOM_KINDS,
     STREAM_NAMES,
@@ -243,8 +244,8 @@ class EmulatedDevice(Device):
             if capacity is not None and self._allocated + nbytes > capacity:
                 raise torch.OutOfMemoryError(
                     f"emulated device {self.index} is out of memory: allocating "
-                    f"{nbytes / 2**20:.2f} MiB with {self._allocated / 2**20:.2f} MiB in use "
-                    f"exceeds its capacity of {capacity / 2**20:.2f} MiB"
+                    f"{format_bytes(nbytes)} with {format_bytes(self._allocated)} in use "
+                    f"exceeds its capacity of {format_bytes(capacity)}"
                 )
             self._allocated += nbytes
             self._peak = max(self._peak, self._allocated)

@@ -16,6 +16,7 @@ the previous layer's output as its single argument, as ``nn.Sequential`` does.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -53,6 +54,8 @@ class Call:
     recompute_grain: str
     preserve_rng_state: bool
     weights_version: int
+    weights_buffer: int
+    """Which upload buffer holds ``weights_version`` (see :mod:`.versions`)."""
     chunk_bytes: int | None
     prefetch_stages: int
     autocast: AutocastState
@@ -68,11 +71,49 @@ class Call:
     forward_only: bool = False
     mailbox: Mailbox = field(default_factory=Mailbox)
     latch: Latch = field(init=False)
+    returned: bool = False
+    """The caller got this call's result; unset, a finished call was interrupted or failed."""
+    issued: bool = False
+    """Every job of the call was handed to a worker."""
+    accumulated: bool = False
+    """Some gradient of this call reached the master copies."""
+    discarded_grads: bool = False
+    """The call failed after accumulating, and the gradients were discarded."""
+    owned_buffers: list = field(default_factory=list)
+    """Host copies of the caller's inputs and labels, returned to the pool when done."""
 
     def __post_init__(self) -> None:
-        self.latch = Latch(len(self.first_jobs))
+        self.latch = Latch(j.index for j in self.first_jobs)
         self.recompute_inputs = self._recompute_inputs()
         self._expect_readers()
+        self._claims: set[int] = set()
+        self._claim_lock = threading.Lock()
+
+    @property
+    def failed(self) -> bool:
+        return self.latch.error is not None
+
+    def claim(self, job: Job) -> bool:
+        """Whether the caller is the one to run ``job`` (a job runs at most once)."""
+        with self._claim_lock:
+            if job.index in self._claims:
+                return False
+            self._claims.add(job.index)
+            return True
+
+    def cancel_unclaimed(self, error: BaseException, on_cancel: Callable[[Job], None]) -> None:
+        """Fail every job nobody has started, so nothing waits for work never issued.
+
+        ``on_cancel(job)`` releases what others wait on besides the job's outputs.
+        """
+        for job in self.schedule.jobs:
+            if self.claim(job):
+                self.fail_outputs(job, error)
+                on_cancel(job)
+                self.latch.finish(job.index, error)
+        for m in range(self.num_microbatches):
+            self.mailbox.fail(("act", 0, m), error)
+            self.mailbox.fail(("grad", self.schedule.plan.num_layers, m), error)
 
     @property
     def deferred(self) -> bool:

@@ -105,16 +105,54 @@ class LayerBinding:
 
 
 def sequential_layers(model: nn.Module) -> list[LayerBinding]:
-    """Each child of an ``nn.Sequential`` is a layer; any other module is one layer."""
+    """Each entry of an ``nn.Sequential`` is a layer; any other module is one layer.
+
+    The entries are iterated as stored, so a module placed twice is two layers (its
+    parameters are tied: they get the sum of both positions' gradients). A buffer
+    cannot be shared by two layers: each layer writes its buffers back after it ran.
+    """
     if not isinstance(model, nn.Module):
         raise TypeError(
             f"RoundPipe wraps a torch.nn.Module (ideally an nn.Sequential of layers), "
             f"got {type(model).__name__}"
         )
     if isinstance(model, nn.Sequential):
-        named = list(model.named_children())
+        named = list(model._modules.items())  # not named_children(): it drops repeats
         if not named:
             raise ValueError("the nn.Sequential given to RoundPipe has no layers")
+        for name, module in named:
+            if not isinstance(module, nn.Module):
+                raise TypeError(
+                    f"entry {name!r} of the nn.Sequential is {type(module).__name__}, "
+                    "not an nn.Module"
+                )
     else:
         named = [(type(model).__name__, model)]
-    return [LayerBinding(i, name, module) for i, (name, module) in enumerate(named)]
+    layers = [LayerBinding(i, name, module) for i, (name, module) in enumerate(named)]
+    _reject_shared_buffers(layers)
+    return layers
+
+
+def _reject_shared_buffers(layers: list[LayerBinding]) -> None:
+    owner: dict[int, tuple[LayerBinding, TensorSlot]] = {}
+    for layer in layers:
+        for slot in layer.buffer_slots:
+            first = owner.setdefault(slot.uid, (layer, slot))
+            if first[0] is layer:
+                continue
+            earlier, earlier_slot = first
+            buffer = ".".join(filter(None, (earlier_slot.path, earlier_slot.name)))
+            if earlier.module is layer.module:
+                what = (
+                    f"the same {type(layer.module).__name__} module is entry {earlier.name!r} "
+                    f"and entry {layer.name!r} of the nn.Sequential, and it holds the buffer "
+                    f"{buffer!r}"
+                )
+            else:
+                what = f"{earlier} and {layer} share the buffer {buffer!r}"
+            raise ValueError(
+                f"{what}: RoundPipe does not support a buffer used by two layers (each layer "
+                "writes its buffers back after it runs, so the order of the updates would be "
+                "lost); use separate modules, e.g. copy.deepcopy(module) for the second "
+                "position (tying only their parameters if you need shared weights)"
+            )

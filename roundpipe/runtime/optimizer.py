@@ -1,8 +1,11 @@
 """The host optimizer thread (DESIGN.md §5): runs ``step_fn`` once a step's gradients are in.
 
-Steps are queued in order. A step waits for every call since the previous step
-to finish (all gradients accumulated into the master copies), runs the user's
-``step_fn`` on the masters, then publishes the new weights for uploads.
+Steps run in the order they were queued. A step waits for every call since the
+previous step, runs the user's ``step_fn`` on the master copies, then publishes the
+masters as the step's weight version — whatever happened: a step whose calls
+failed is skipped (and the failed calls' gradients discarded), a failing
+``step_fn`` leaves the masters as it left them. The thread survives every error;
+each step's outcome is reported through its :class:`StepTask`.
 """
 
 from __future__ import annotations
@@ -11,67 +14,107 @@ import queue
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
+from dataclasses import dataclass, field
 
-from ..errors import RoundPipeError, failure_site
+from ..errors import failure_site, locate
 from .call import Call
 from .params import ParameterStore
+from .versions import WeightVersions
 
 _STOP = object()
 
 
+@dataclass(eq=False)
+class StepTask:
+    """One queued ``step``: publishes weights ``version`` into upload ``buffer``."""
+
+    step_fn: Callable[[], object]
+    calls: tuple[Call, ...]
+    version: int
+    buffer: int
+    done: Future = field(default_factory=Future)
+    """Resolves to the step's own error (``step_fn`` or publishing), or None."""
+    submitted: bool = False
+    _claimed: bool = False
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def claim(self) -> bool:
+        """Whether the caller is the one to run this step (queued twice, it runs once)."""
+        with self._lock:
+            claimed, self._claimed = self._claimed, True
+            return not claimed
+
+
 class OptimizerThread:
-    def __init__(self, store: ParameterStore, grad_scaler=None) -> None:
+    def __init__(self, store: ParameterStore, versions: WeightVersions, grad_scaler=None) -> None:
         self.store = store
+        self.versions = versions
         self.grad_scaler = grad_scaler
         self._tasks: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
+        self._start_lock = threading.Lock()
 
-    def _ensure_started(self) -> None:
-        if self._thread is None:
-            self._thread = threading.Thread(
-                target=self._loop, name="roundpipe-optimizer", daemon=True
-            )
-            self._thread.start()
+    def is_current(self) -> bool:
+        """Whether the calling thread is this optimizer thread (i.e. inside ``step_fn``)."""
+        return self._thread is not None and threading.current_thread() is self._thread
 
-    def step(self, step_fn: Callable[[], object], calls: list[Call], version: int) -> Future:
-        """Queue the step that produces weights ``version``; the future holds its error."""
-        self._ensure_started()
-        done: Future = Future()
-        self._tasks.put((step_fn, calls, version, done))
-        return done
+    def submit(self, task: StepTask) -> None:
+        with self._start_lock:
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=_loop, args=(self._tasks, self._run), name="roundpipe-optimizer"
+                )
+                self._thread.daemon = True
+                self._thread.start()
+        self._tasks.put(task)
+        task.submitted = True
 
     def stop(self) -> None:
-        if self._thread is not None:
+        thread = self._thread
+        if thread is not None:
             self._tasks.put(_STOP)
-            self._thread.join()
+            thread.join()
             self._thread = None
 
-    def _loop(self) -> None:
-        while True:
-            task = self._tasks.get()
-            if task is _STOP:
-                return
-            step_fn, calls, version, done = task
-            errors = [error for call in calls if (error := call.latch.wait()) is not None]
-            if errors:
-                self.store.republish_unchanged(version)
-                done.set_result(
-                    RoundPipeError(
-                        f"optimizer step {version} was skipped because a call before it failed"
-                    )
-                )
-                continue
+    def _run(self, task: StepTask) -> None:
+        error: BaseException | None = None
+        try:
+            error = self._apply(task)
+        finally:
             try:
-                with failure_site(f"optimizer step {version} (step_fn)"):
-                    if self.grad_scaler is not None:
-                        # Gradients are kept unscaled (each call may have used another
-                        # scale); scale them by the scaler's current value so its
-                        # unscale_ and inf checks inside step_fn see what they expect.
-                        self.store.scale_grads(float(self.grad_scaler.get_scale()))
-                    step_fn()
-            except BaseException as exc:  # noqa: BLE001 - reported to the caller
-                self.store.republish_unchanged(version)
-                done.set_result(exc)
-                continue
-            self.store.publish(version)
-            done.set_result(None)
+                self.versions.publish(task.version, task.buffer)
+            except BaseException as exc:  # noqa: BLE001 - reported through the task
+                self.versions.published.fail(exc)
+                error = error or locate(exc, f"publishing weights version {task.version}")
+            task.done.set_result(error)
+
+    def _apply(self, task: StepTask) -> BaseException | None:
+        """Run the step unless a call before it failed; return ``step_fn``'s error."""
+        failed = [call for call in task.calls if call.latch.wait() is not None]
+        if failed:
+            # The failed calls' errors reach the caller through the calls themselves.
+            if any(call.accumulated for call in failed):
+                self.store.discard_grads()
+                for call in failed:
+                    call.discarded_grads = True
+            return None
+        try:
+            with failure_site(f"optimizer step {task.version} (step_fn)"):
+                if self.grad_scaler is not None:
+                    # Gradients are kept unscaled (each call may have used another
+                    # scale); scale them by the scaler's current value so its
+                    # unscale_ and inf checks inside step_fn see what they expect.
+                    self.store.scale_grads(float(self.grad_scaler.get_scale()))
+                task.step_fn()
+        except BaseException as exc:  # noqa: BLE001 - reported to the caller
+            return exc
+        return None
+
+
+def _loop(tasks: queue.SimpleQueue, run: Callable[[StepTask], None]) -> None:
+    while True:
+        task = tasks.get()
+        if task is _STOP:
+            return
+        if task.claim():
+            run(task)

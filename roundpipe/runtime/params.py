@@ -1,16 +1,9 @@
 """Host-memory home of the training state (DESIGN.md §2, §5).
 
-For every trainable parameter: the user's parameter (model dtype, what devices
-upload), an optional second upload buffer for the asynchronous optimizer, an fp32
-(``optim_dtype``) *master* copy that the user's optimizer updates, and the master's
-accumulated gradient.
-
-Weight versions: version ``v`` (the weights after ``v`` optimizer steps) lives in
-upload buffer ``v % 2``. A call reads one version for all its uploads. With the
-asynchronous optimizer a call reads the version before the newest step, so the
-optimizer can write the newest step into the other buffer meanwhile — training is
-exactly one step stale, never a mix. Publishing version ``v`` overwrites version
-``v - 2``, whose last reader finished before the step that publishes ``v`` began.
+For every unique parameter of the wrapped model: the user's parameter (model dtype,
+what devices upload), and for a trainable one an fp32 (``optim_dtype``) *master*
+copy that the user's optimizer updates, with the master's accumulated gradient.
+Which weights a call uploads is decided by :mod:`.versions`.
 """
 
 from __future__ import annotations
@@ -22,7 +15,6 @@ import torch
 from torch import nn
 
 from .layers import LayerBinding
-from .sync import VersionGate
 
 _HALF_TYPES = (torch.float16, torch.bfloat16)
 
@@ -38,17 +30,19 @@ class ParamEntry:
             torch.float32 if param.dtype in _HALF_TYPES else param.dtype
         )
         self.master: nn.Parameter | None = None
-        self.spare: torch.Tensor | None = None  # upload buffer for odd versions
-        self.spare_version = -1
         self.seen = (param.data_ptr(), param._version)
 
-    def upload_source(self, version: int) -> torch.Tensor:
-        if not self.trainable or version % 2 == 0 or self.spare is None:
-            return self.param.data
-        return self.spare
-
     def externally_modified(self) -> bool:
+        """Whether the user wrote into (or replaced) the parameter since we last looked."""
         return (self.param.data_ptr(), self.param._version) != self.seen
+
+    def mark_seen(self) -> None:
+        self.seen = (self.param.data_ptr(), self.param._version)
+
+    def show_grad(self) -> None:
+        """Show the master's accumulated gradient on the user's parameter."""
+        grad = None if self.master is None else self.master.grad
+        self.param.grad = None if grad is None else grad.to(self.param.dtype, copy=True)
 
 
 class ParameterStore:
@@ -67,27 +61,21 @@ class ParameterStore:
                 if id(tensor) not in self.entries:
                     name = named_params.get(id(tensor), f"{layer.name}.?")
                     self.entries[id(tensor)] = ParamEntry(name, tensor, optim_dtype)
-        self._pin = pin
         for entry in self.entries.values():
             pinned = pin(entry.param.data)
             if pinned is not entry.param.data:
                 entry.param.data = pinned
-            entry.seen = (entry.param.data_ptr(), entry.param._version)
-        self.published = VersionGate(0)
+            entry.mark_seen()
+        self.user_param_ids = frozenset(id(entry.param) for entry in self.entries.values())
         self._grad_lock = threading.Lock()
-        self._masters_built = False
-        self._odd_version_ready = False
 
     # -- master copies -------------------------------------------------------------
 
     def ensure_masters(self) -> None:
-        if self._masters_built:
-            return
         for entry in self.entries.values():
-            if entry.trainable:
+            if entry.trainable and entry.master is None:
                 master = entry.param.detach().to(entry.optim_dtype, copy=True)
                 entry.master = nn.Parameter(master, requires_grad=True)
-        self._masters_built = True
 
     def masters(self) -> Iterator[tuple[str, nn.Parameter]]:
         self.ensure_masters()
@@ -123,67 +111,3 @@ class ParameterStore:
     def discard_grads(self) -> None:
         for _, master in self.masters():
             master.grad = None
-
-    # -- weight versions -------------------------------------------------------------
-
-    def publish(self, version: int) -> None:
-        """Write the masters into the upload buffer of ``version`` and announce it."""
-        with torch.no_grad():
-            for entry in self.entries.values():
-                if entry.master is None:
-                    continue
-                self._writable_source(entry, version).copy_(entry.master)
-        self.published.advance_to(version)
-
-    def republish_unchanged(self, version: int) -> None:
-        """After a failed step: version ``version`` equals ``version - 1``."""
-        with torch.no_grad():
-            for entry in self.entries.values():
-                if entry.master is None:
-                    continue
-                previous = entry.upload_source(version - 1)
-                target = self._writable_source(entry, version)
-                if target is not previous:
-                    target.copy_(previous)
-                entry.master.copy_(previous)
-        self.published.advance_to(version)
-
-    def _writable_source(self, entry: ParamEntry, version: int) -> torch.Tensor:
-        """The upload buffer of ``version``, allocating the odd-version one on first use."""
-        if version % 2 and entry.spare is None:
-            entry.spare = self._pin(torch.empty_like(entry.param.data))
-        return entry.upload_source(version)
-
-    def make_model_current(self) -> None:
-        """With nothing in flight: the user's parameters and ``.grad`` show the newest state."""
-        version = self.published.value
-        with torch.no_grad():
-            for entry in self.entries.values():
-                if entry.master is None:
-                    continue
-                source = entry.upload_source(version)
-                if source is not entry.param.data:
-                    entry.param.data.copy_(source)
-                grad = entry.master.grad
-                entry.param.grad = None if grad is None else grad.to(entry.param.dtype, copy=True)
-                entry.seen = (entry.param.data_ptr(), entry.param._version)
-
-    def adopt_external_writes(self, force: bool = False) -> list[str]:
-        """With nothing in flight: take over weights the user wrote into the model."""
-        adopted = []
-        version = self.published.value
-        with torch.no_grad():
-            for entry in self.entries.values():
-                if not (force or entry.externally_modified()):
-                    continue
-                adopted.append(entry.name)
-                pinned = self._pin(entry.param.data)
-                if pinned is not entry.param.data:
-                    entry.param.data = pinned
-                if entry.master is not None:
-                    entry.master.copy_(entry.param.data)
-                if entry.trainable and version % 2:
-                    assert entry.spare is not None
-                    entry.spare.copy_(entry.param.data)
-                entry.seen = (entry.param.data_ptr(), entry.param._version)
-        return adopted

@@ -10,7 +10,7 @@ were published (:class:`VersionGate`), a caller learns every job of a call is do
 from __future__ import annotations
 
 import threading
-from collections.abc import Hashable
+from collections.abc import Hashable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -66,40 +66,70 @@ class Mailbox:
 
 
 class VersionGate:
-    """A counter that threads wait to reach, e.g. 'weights version 3 published'."""
+    """A counter that threads wait to reach, e.g. 'weights version 3 published'.
+
+    :meth:`fail` makes every present and future wait raise instead (a publish that
+    failed must not leave workers waiting forever); :meth:`reset` clears that.
+    """
 
     def __init__(self, value: int = 0) -> None:
         self._cond = threading.Condition()
         self._value = value
+        self._error: BaseException | None = None
 
     @property
     def value(self) -> int:
         return self._value
 
+    @property
+    def failed(self) -> bool:
+        return self._error is not None
+
     def wait_for(self, value: int) -> None:
         with self._cond:
-            while self._value < value:
+            while self._value < value and self._error is None:
                 self._cond.wait()
+            if self._value < value:
+                raise RuntimeError(
+                    f"weights version {value} will not be published: {self._error}"
+                ) from self._error
 
     def advance_to(self, value: int) -> None:
         with self._cond:
             self._value = max(self._value, value)
             self._cond.notify_all()
 
+    def fail(self, error: BaseException) -> None:
+        with self._cond:
+            self._error = error
+            self._cond.notify_all()
+
+    def reset(self) -> None:
+        with self._cond:
+            self._error = None
+
 
 class Latch:
-    """Counts down finished jobs of a call and keeps the first error."""
+    """Tracks the jobs of a call until each has finished; keeps the first error.
 
-    def __init__(self, count: int) -> None:
+    Jobs are named (by index), so finishing one twice — a worker and a
+    cancellation racing for it — counts once.
+    """
+
+    def __init__(self, jobs: Iterable[Hashable] = ()) -> None:
         self._cond = threading.Condition()
-        self._count = count
+        self._pending: set[Hashable] = set(jobs)
+        self._finished: set[Hashable] = set()
         self.error: BaseException | None = None
 
-    def count_down(self, error: BaseException | None = None) -> None:
+    def finish(self, job: Hashable, error: BaseException | None = None) -> None:
         with self._cond:
+            if job in self._finished:
+                return
+            self._finished.add(job)
             if error is not None and self.error is None:
                 self.error = error
-            self._count -= 1
+            self._pending.discard(job)
             self._cond.notify_all()
 
     def fail(self, error: BaseException) -> None:
@@ -107,17 +137,17 @@ class Latch:
             if self.error is None:
                 self.error = error
 
-    def add(self, count: int) -> None:
-        """Expect ``count`` more jobs (dispatched after the call started)."""
+    def add(self, jobs: Iterable[Hashable]) -> None:
+        """Expect more jobs (dispatched after the call started); finished ones count as done."""
         with self._cond:
-            self._count += count
+            self._pending.update(set(jobs) - self._finished)
 
     def wait(self) -> BaseException | None:
         with self._cond:
-            while self._count > 0:
+            while self._pending:
                 self._cond.wait()
             return self.error
 
     @property
     def done(self) -> bool:
-        return self._count <= 0
+        return not self._pending

@@ -49,6 +49,16 @@ def download_tree(device: Device, stream: Stream, tree: Any) -> Any:
     return _map_unique(tree, move)
 
 
+def inplace_safe(tree: Any, clone_all: bool = False) -> Any:
+    """``tree`` with tensors a layer may modify in place replaced by copies.
+
+    Autograd forbids in-place ops on leaves that require grad, so those become
+    (differentiable) clones; with ``clone_all`` every tensor is copied, for values
+    that must survive a later layer modifying its input.
+    """
+    return _map_unique(tree, lambda t: t.clone() if clone_all or t.requires_grad else t)
+
+
 def _unique_tensors(tree: Any) -> list[torch.Tensor]:
     leaves, _ = tree_flatten(tree)
     seen: dict[int, torch.Tensor] = {}

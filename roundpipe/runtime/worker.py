@@ -1,37 +1,34 @@
-"""A device worker: the host thread that issues stage jobs to one device's streams.
+"""A device worker: the host threads that issue stage jobs to one device.
 
-Jobs arrive in schedule order. For each job the worker issues, without waiting on
-the device: the weight upload (chunked, behind at most one stage in flight), then
-per microbatch the activation upload, the compute op and the download, each
-ordered by events (DESIGN.md §4–§5). Host-side work that must follow device work
-(accumulating downloaded gradients, writing back buffers, noting a job finished)
-goes to the worker's *completer* thread, which waits on the events first.
+Jobs arrive in schedule order on the *issue* thread, which hands each to a
+:class:`~.issuer.JobIssuer` (the job's stream ops, issued without waiting on the
+device). Host-side work that must follow device work (accumulating downloaded
+gradients, writing back buffers, noting a job finished) goes to the *completer*
+thread, which waits on the events first. Both threads survive every error: an
+error is handed to the call it belongs to.
+
+The threads hold the worker, never the ``RoundPipe`` that owns it, so an unclosed
+model can still be collected (its session then stops them).
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import queue
 import threading
 from collections.abc import Callable
 
-import torch
-
-from ..devices import Device, Event, OpInfo, Slot, Timer
-from ..errors import failure_site, locate
+from ..devices import Device, Event
+from ..errors import locate
 from ..schedule import Job, JobKind
 from .call import Call
+from .issuer import JobIssuer, job_name
 from .layers import LayerBinding
 from .params import ParameterStore
 from .profiler import LayerProfiler
-from .sync import Handoff, VersionGate
-from .transfer import (
-    download_tree,
-    grads_of_inputs,
-    pair_outputs_with_grads,
-    plan_chunks,
-    upload_tree,
-)
+from .sync import VersionGate
+from .versions import WeightVersions
 
 _STOP = object()
 MAX_PREFETCH = 4
@@ -45,108 +42,128 @@ class DeviceWorker:
         device: Device,
         layers: list[LayerBinding],
         store: ParameterStore,
+        versions: WeightVersions,
         buffer_gates: dict[int, VersionGate],
         profiler: LayerProfiler,
     ) -> None:
         self.device = device
         self.layers = layers
         self.store = store
+        self.versions = versions
         self.profiler = profiler
         self.buffer_gates = buffer_gates
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._followups: queue.SimpleQueue = queue.SimpleQueue()
         self._threads: list[threading.Thread] = []
+        self._start_lock = threading.Lock()
         # Events marking the end of this device's last jobs and compute ops, used to
         # bound prefetch: weights one stage ahead, activations one microbatch ahead.
-        self._job_ends: collections.deque[Event] = collections.deque(maxlen=MAX_PREFETCH + 1)
-        self._compute_marks: collections.deque[Event] = collections.deque(maxlen=2)
+        self.job_ends: collections.deque[Event] = collections.deque(maxlen=MAX_PREFETCH + 1)
+        self.compute_marks: collections.deque[Event] = collections.deque(maxlen=2)
 
     # -- threads ---------------------------------------------------------------------
 
     def start(self) -> None:
-        if self._threads:
-            return
-        _preload_lazy_imports()
-        for target, role in ((self._issue_loop, "issue"), (self._followup_loop, "complete")):
-            thread = threading.Thread(
-                target=target, name=f"roundpipe-{self.device!r}-{role}", daemon=True
-            )
-            thread.start()
-            self._threads.append(thread)
+        with self._start_lock:
+            if self._threads:
+                return
+            _preload_lazy_imports()
+            loops = ((_issue_loop, self._jobs, "issue"), (_followup_loop, self._followups, "done"))
+            for loop, tasks, role in loops:
+                thread = threading.Thread(
+                    target=loop, args=(tasks, self), name=f"roundpipe-{self.device!r}-{role}"
+                )
+                thread.daemon = True
+                thread.start()
+                self._threads.append(thread)
 
     def stop(self) -> None:
-        if self._threads:
-            self._jobs.put(_STOP)
-            self._threads[0].join()
-            self._followups.put(_STOP)
-            self._threads[1].join()
+        """Stop both threads once their queued work is done (safe to call again)."""
+        with self._start_lock:
+            threads = list(self._threads)
+            for thread, tasks in zip(threads, (self._jobs, self._followups), strict=False):
+                tasks.put(_STOP)
+                thread.join()
             self._threads = []
 
     def forget_events(self) -> None:
         """After a failure: drop remembered events, which may carry the error."""
-        self._job_ends.clear()
-        self._compute_marks.clear()
+        self.job_ends.clear()
+        self.compute_marks.clear()
 
     def submit(self, call: Call, job: Job) -> None:
         self.start()
         self._jobs.put((call, job))
 
-    def after(self, events: list[Event], fn: Callable[[], None], on_error=None) -> None:
-        """Run ``fn`` on the completer thread once ``events`` completed."""
+    def after(
+        self,
+        events: list[Event],
+        fn: Callable[[], None],
+        on_error: Callable[[BaseException], None],
+    ) -> None:
+        """Run ``fn`` on the completer thread once ``events`` completed; on an error
+        (of the events or of ``fn``) run ``on_error(error)`` instead."""
         self._followups.put((events, fn, on_error))
 
-    def _followup_loop(self) -> None:
-        while True:
-            item = self._followups.get()
-            if item is _STOP:
-                return
-            events, fn, on_error = item
-            try:
-                for event in events:
-                    event.synchronize()
-            except BaseException as exc:  # noqa: BLE001 - handed to the call
-                if on_error is not None:
-                    on_error(exc)
-                continue
-            try:
-                fn()
-            except BaseException as exc:  # noqa: BLE001 - handed to the call
-                if on_error is not None:
-                    on_error(exc)
-
-    def _issue_loop(self) -> None:
-        while True:
-            item = self._jobs.get()
-            if item is _STOP:
-                return
-            call, job = item
-            error: BaseException | None = None
-            issuer = _JobIssuer(self, call, job)
-            try:
-                issuer.issue()
-            except BaseException as exc:  # noqa: BLE001 - handed to the call
-                error = locate(exc, f"{_job_name(job)} on device {self.device!r}")
-                call.fail_outputs(job, error)
-                self._open_buffer_gates(call, job)
-            self._finish(call, job, error, issuer.timings)
-
-    def _open_buffer_gates(self, call: Call, job: Job) -> None:
+    def open_buffer_gates(self, call: Call, job: Job) -> None:
+        """Let later calls read the buffers of ``job``'s layers (it will not write them)."""
         if job.kind is not JobKind.BACKWARD:
             for index in job.layers:
                 if index in self.buffer_gates:
                     self.buffer_gates[index].advance_to(call.seq + 1)
 
+    def issue(self, call: Call, job: Job) -> None:
+        if not call.claim(job):
+            return  # cancelled after an interrupt, or already run
+        error: BaseException | None = None
+        issuer = JobIssuer(self, call, job)
+        try:
+            issuer.issue()
+        except BaseException as exc:  # noqa: BLE001 - handed to the call
+            error = locate(exc, f"{job_name(job)} on device {self.device!r}")
+            call.fail_outputs(job, error)
+            self.open_buffer_gates(call, job)
+        self._finish(call, job, error, issuer.timings)
+
     def _finish(self, call: Call, job: Job, error: BaseException | None, timings: list) -> None:
         ends = [stream.record() for stream in self.device.streams.values()]
-        self._job_ends.append(ends[0])
+        self.job_ends.append(ends[0])
 
         def done() -> None:
             if error is None:
                 for kind, layers, timer in timings:
                     self.profiler.record(kind, layers, timer.seconds())
-            call.latch.count_down(error)
+            call.latch.finish(job.index, error)
 
-        self.after(ends, done, on_error=lambda exc: call.latch.count_down(error or exc))
+        self.after(ends, done, on_error=lambda exc: call.latch.finish(job.index, error or exc))
+
+
+def _issue_loop(jobs: queue.SimpleQueue, worker: DeviceWorker) -> None:
+    while True:
+        item = jobs.get()
+        if item is _STOP:
+            return
+        call, job = item
+        try:
+            worker.issue(call, job)
+        except BaseException as exc:  # noqa: BLE001 - the thread must outlive any job
+            call.fail_outputs(job, exc)
+            call.latch.finish(job.index, exc)
+
+
+def _followup_loop(followups: queue.SimpleQueue, worker: DeviceWorker) -> None:
+    while True:
+        item = followups.get()
+        if item is _STOP:
+            return
+        events, fn, on_error = item
+        try:
+            for event in events:
+                event.synchronize()
+            fn()
+        except BaseException as exc:  # noqa: BLE001 - handed to the call
+            with contextlib.suppress(BaseException):  # the thread outlives any handler
+                on_error(exc)
 
 
 def _preload_lazy_imports() -> None:
@@ -154,383 +171,3 @@ def _preload_lazy_imports() -> None:
     first time it runs (~0.5 s); import them here, on the caller's thread, rather than
     inside the first backward stage's compute op where they would stall the pipeline."""
     import torch.fx.experimental.symbolic_shapes  # noqa: F401
-
-
-def _job_name(job: Job) -> str:
-    kind = {JobKind.FORWARD: "forward", JobKind.FUSED: "fused", JobKind.BACKWARD: "backward"}
-    return f"{kind[job.kind]} stage {job.stage} (layers {job.layers.start}-{job.layers.stop - 1})"
-
-
-class _JobIssuer:
-    """Issues one job's stream ops. Lives only while the job is being issued."""
-
-    def __init__(self, worker: DeviceWorker, call: Call, job: Job) -> None:
-        self.worker = worker
-        self.device = worker.device
-        self.call = call
-        self.job = job
-        self.name = _job_name(job)
-        self.mailbox = call.mailbox
-        self.weights = Slot()  # (params by uid, buffers by uid) on the device
-        self.training = job.kind is not JobKind.FORWARD
-        self.timings: list[tuple[str, tuple[int, ...], Timer]] = []
-
-    # -- the three job kinds ----------------------------------------------------------
-
-    def issue(self) -> None:
-        self.upload_weights()
-        if self.job.kind is JobKind.FORWARD:
-            for m in range(self.call.num_microbatches):
-                self.forward_microbatch(m)
-            self.write_back_buffers()
-        elif self.job.kind is JobKind.FUSED:
-            for m in range(self.call.num_microbatches):
-                self.fused_microbatch(m)
-            self.write_back_buffers()
-            self.download_param_grads()
-        else:
-            for m in range(self.call.num_microbatches):
-                if self.call.recompute_grain == "layer":
-                    self.backward_microbatch_by_layer(m)
-                else:
-                    self.backward_microbatch(m)
-            self.download_param_grads()
-        self.device.compute.submit(self.release, OpInfo("release", self.name))
-
-    def forward_microbatch(self, m: int) -> None:
-        job, call = self.job, self.call
-        value = self.upload_input(("act", job.layers.start, m), requires_grad=False)
-        saves = {i: Slot() for i in call.forward_saves(job)}
-        output = Slot()
-        rng = {i: Slot() for i in call.rng_layers(job)}
-
-        def forward() -> None:
-            x = value.value
-            value.value = None
-            with torch.no_grad(), call.autocast.scope():
-                for i in job.layers:
-                    if i in rng:
-                        rng[i].value = self.device.get_rng_state()
-                    if i in saves:
-                        saves[i].value = x
-                    x = self.run_layer(i, x, m, "forward")
-            output.value = x
-
-        self.compute(forward, "forward", m)
-        computed = self.mark_compute()
-        for i, slot in rng.items():
-            self.mailbox.post(("rng", i, m), Handoff(slot, computed))
-        for i, slot in [*saves.items(), (job.layers.stop, output)]:
-            self.mailbox.post(("act", i, m), self.download(slot, computed, f"act {i}", m))
-
-    def fused_microbatch(self, m: int) -> None:
-        job, call = self.job, self.call
-        value = self.upload_input(("act", job.layers.start, m), requires_grad=True, label=m)
-        loss_slot, out_slot, grad_slot = Slot(), Slot(), Slot()
-
-        def fused() -> None:
-            (args, kwargs), label = value.value
-            value.value = None
-            inputs = (args, kwargs)
-            with torch.enable_grad():
-                with call.autocast.scope():
-                    x = inputs
-                    for i in job.layers:
-                        x = self.run_layer(i, x, m, "forward")
-                    with failure_site(f"loss_fn in {self.name}, microbatch {m}"):
-                        loss = call.loss_fn(x[0][0], label)
-                        _check_loss(loss)
-                if loss.requires_grad:
-                    scaled = loss if call.loss_scale is None else loss * call.loss_scale
-                    with failure_site(f"{self.name}, backward of microbatch {m}"):
-                        self.timed("backward", job.layers, scaled.backward)
-            loss_slot.value = loss.detach()
-            if call.return_outputs:
-                out_slot.value = x[0][0]
-            if job.layers.start > 0:
-                grad_slot.value = grads_of_inputs(inputs)
-
-        self.compute(fused, "fused", m)
-        computed = self.mark_compute()
-        self.mailbox.post(("loss", m), self.download(loss_slot, computed, "loss", m))
-        if call.return_outputs:
-            self.mailbox.post(("out", m), self.download(out_slot, computed, "output", m))
-        else:
-            self.mailbox.post(("out", m), Handoff(Slot(), None))
-        if job.layers.start > 0:
-            key = ("grad", job.layers.start, m)
-            self.mailbox.post(key, self.download(grad_slot, computed, "grad", m))
-
-    def backward_microbatch(self, m: int) -> None:
-        self.backward_layers(self.job.layers, m, lambda: self.fetch_grad(self.job.layers.stop, m))
-
-    def backward_microbatch_by_layer(self, m: int) -> None:
-        def grad():
-            return self.fetch_grad(self.job.layers.stop, m)
-
-        for i in reversed(self.job.layers):
-            grad = self.backward_layers(range(i, i + 1), m, grad, post=i == self.job.layers.start)
-
-    def backward_layers(self, layers: range, m: int, grad, post: bool = True) -> Slot:
-        """Recompute ``layers`` for microbatch ``m``, then run their backward.
-
-        The recompute needs only the saved input, so it is issued before waiting for
-        the incoming gradient (``grad``: a slot on the device, or a function that
-        fetches it from the mailbox).
-        """
-        call = self.call
-        start = layers.start
-        value = self.upload_input(("act", start, m), requires_grad=start > 0)
-        rng = None
-        if call.preserve_rng_state:
-            rng = self.mailbox.get(("rng", start, m))
-            self.device.compute.wait(rng.event)
-        graph = Slot()
-
-        def recompute() -> None:
-            inputs = value.value
-            value.value = None
-            with torch.enable_grad(), call.autocast.scope():
-                current = self.device.get_rng_state() if rng is not None else None
-                if rng is not None:
-                    self.device.set_rng_state(rng.slot.value)
-                try:
-                    x = inputs
-                    for i in layers:
-                        x = self.run_layer(i, x, m, "recompute")
-                finally:
-                    if current is not None:
-                        self.device.set_rng_state(current)
-            graph.value = (inputs, x)
-
-        self.compute(recompute, "recompute", m, layers)
-        if callable(grad):
-            grad = grad()
-        input_grads = Slot()
-
-        def backward() -> None:
-            inputs, outputs = graph.value
-            graph.value = None
-            incoming = grad.value
-            grad.value = None
-            tensors, grads = pair_outputs_with_grads(outputs, incoming)
-            if tensors:
-                self.timed("backward", layers, lambda: torch.autograd.backward(tensors, grads))
-            input_grads.value = grads_of_inputs(inputs) if start > 0 else None
-
-        self.compute(backward, "backward", m, layers)
-        if post and start > 0:
-            computed = self.mark_compute()
-            self.mailbox.post(("grad", start, m), self.download(input_grads, computed, "grad", m))
-        return input_grads
-
-    def fetch_grad(self, layer: int, m: int) -> Slot:
-        handoff = self.mailbox.get(("grad", layer, m))
-        return self.upload(handoff, f"grad {layer}", m, requires_grad=False)
-
-    # -- weights -------------------------------------------------------------------------
-
-    def upload_weights(self) -> None:
-        store, device, stream = self.worker.store, self.device, self.device.weight_upload
-        store.published.wait_for(self.call.weights_version)
-        layers = [self.worker.layers[i] for i in self.job.layers]
-        if self.job.kind is not JobKind.BACKWARD:
-            for layer in layers:
-                if layer.index in self.worker.buffer_gates:
-                    self.worker.buffer_gates[layer.index].wait_for(self.call.seq)
-        depth = self.call.prefetch_stages
-        if len(self.worker._job_ends) > depth:
-            # at most ``depth`` + 1 stages of weights resident: wait for the job that far back
-            stream.wait(self.worker._job_ends[-depth - 1])
-        uids = list(dict.fromkeys(uid for layer in layers for uid in layer.param_uids))
-        buffers = {uid: t for layer in layers for uid, t in layer.host_buffers().items()}
-        params: dict[int, torch.Tensor] = {}
-        on_device: dict[int, torch.Tensor] = {}
-        self.weights.value = (params, on_device)
-        version = self.call.weights_version
-        sources = [store.entries[uid].upload_source(version) for uid in uids]
-        pieces = plan_chunks(
-            [t.numel() for t in sources],
-            [t.element_size() for t in sources],
-            self.call.chunk_bytes,
-        )
-        for chunk in pieces:
-
-            def upload_chunk(chunk=chunk) -> None:
-                with failure_site(f"{self.name}: weight upload on device {device!r}"):
-                    for index, first, end in chunk:
-                        uid, source = uids[index], sources[index]
-                        if first == 0:
-                            params[uid] = device.empty_like(source)
-                            params[uid].requires_grad_(self.training and store.trainable(uid))
-                            device.keep_alive(params[uid], device.compute)
-                        flat = params[uid].detach().view(-1)
-                        device.copy_in(flat[first:end], source.reshape(-1)[first:end], stream)
-
-            nbytes = sum((end - first) * sources[i].element_size() for i, first, end in chunk)
-            info = OpInfo("upload", f"weights {self.name}", nbytes, job=self.job.index)
-            stream.submit(upload_chunk, info)
-
-        def upload_buffers() -> None:
-            with failure_site(f"{self.name}: buffer upload on device {device!r}"):
-                for uid, host in buffers.items():
-                    on_device[uid] = device.to_device(host, stream)
-                    device.keep_alive(on_device[uid], device.compute)
-
-        if buffers:
-            stream.submit(upload_buffers, OpInfo("upload", f"buffers {self.name}"))
-        device.compute.wait(stream.record())
-
-    def write_back_buffers(self) -> None:
-        layers = [self.worker.layers[i] for i in self.job.layers]
-        gated = [layer.index for layer in layers if layer.index in self.worker.buffer_gates]
-        if not gated:
-            return
-        hosts = {uid: t for layer in layers for uid, t in layer.host_buffers().items()}
-        on_device = Slot()
-
-        def take() -> None:
-            on_device.value = dict(self.weights.value[1])
-
-        self.device.compute.submit(take, OpInfo("bookkeeping", self.name))
-        downloaded = self.download(on_device, self.mark_compute(), "buffers", None)
-
-        def write() -> None:
-            with torch.no_grad():
-                for uid, tensor in downloaded.slot.value.items():
-                    hosts[uid].copy_(tensor)
-
-        def open_gates(error: BaseException | None = None) -> None:
-            for index in gated:
-                self.worker.buffer_gates[index].advance_to(self.call.seq + 1)
-
-        self.worker.after([downloaded.event], lambda: (write(), open_gates()), open_gates)
-
-    def download_param_grads(self) -> None:
-        store = self.worker.store
-        grads = Slot()
-
-        def take() -> None:
-            params = self.weights.value[0]
-            grads.value = {
-                uid: t.grad
-                for uid, t in params.items()
-                if store.trainable(uid) and t.grad is not None
-            }
-
-        self.device.compute.submit(take, OpInfo("bookkeeping", self.name))
-        downloaded = self.download(grads, self.mark_compute(), "param grads", None)
-
-        def accumulate() -> None:
-            # The optimizer may still be consuming the previous step's gradients.
-            store.published.wait_for(self.call.steps_before)
-            for uid, grad in downloaded.slot.value.items():
-                store.accumulate_grad(uid, grad, self.call.loss_scale)
-
-        call = self.call
-        self.worker.after([downloaded.event], accumulate, on_error=call.latch.fail)
-
-    def release(self) -> None:
-        self.weights.value = None
-
-    # -- activations -------------------------------------------------------------------
-
-    def upload_input(self, key: tuple, requires_grad: bool, label: int | None = None) -> Slot:
-        handoff = self.mailbox.get(key)
-        slot = self.upload(handoff, f"act {key[1]}", key[2], requires_grad)
-        if label is None:
-            return slot
-        labelled = Slot()
-        host_label = self.call.labels[label] if self.call.labels is not None else None
-        device, stream = self.device, self.device.act_upload
-
-        def attach() -> None:
-            labelled.value = (slot.value, upload_tree(device, stream, host_label, False))
-            slot.value = None
-
-        stream.submit(attach, OpInfo("upload", "label", critical=True))
-        self.device.compute.wait(stream.record())
-        return labelled
-
-    def upload(self, handoff: Handoff, what: str, m: int, requires_grad: bool) -> Slot:
-        device, stream = self.device, self.device.act_upload
-        if handoff.event is not None:
-            stream.wait(handoff.event)
-        marks = self.worker._compute_marks
-        if len(marks) == 2:
-            stream.wait(marks[0])  # at most one microbatch uploaded ahead of compute
-        slot = Slot()
-
-        def upload() -> None:
-            with failure_site(f"{self.name}: upload of {what}, microbatch {m}"):
-                slot.value = upload_tree(device, stream, handoff.slot.value, requires_grad)
-
-        stream.submit(upload, OpInfo("upload", f"{what} mb{m}", critical=True))
-        self.device.compute.wait(stream.record())
-        return slot
-
-    def download(self, slot: Slot, after: Event, what: str, m: int | None) -> Handoff:
-        device, stream = self.device, self.device.download
-        stream.wait(after)
-        host = Slot()
-
-        def download() -> None:
-            with failure_site(f"{self.name}: download of {what}, microbatch {m}"):
-                host.value = download_tree(device, stream, slot.value)
-                slot.value = None
-
-        stream.submit(download, OpInfo("download", f"{what} mb{m}"))
-        return Handoff(host, stream.record())
-
-    # -- compute -------------------------------------------------------------------------
-
-    def compute(self, fn: Callable[[], None], kind: str, m: int, layers: range | None = None):
-        layers = layers if layers is not None else self.job.layers
-        info = OpInfo(kind, f"{self.name} mb{m}", layers=tuple(layers), job=self.job.index)
-        device = self.device
-
-        where = f"{self.name}, {kind} of microbatch {m}"
-        if len(layers) == 1:
-            where += f" ({self.worker.layers[layers.start]})"
-
-        def op() -> None:
-            with failure_site(where), device.compute_scope(info):
-                fn()
-
-        device.compute.submit(op, info)
-
-    def mark_compute(self) -> Event:
-        event = self.device.compute.record()
-        self.worker._compute_marks.append(event)
-        return event
-
-    def timed(self, kind: str, layers: range, fn: Callable[[], object]):
-        """Inside a compute op: run ``fn``, model its kernel time, record its duration."""
-        timer = self.device.timer()
-        timer.start()
-        result = fn()
-        self.device.model_kernel_time(OpInfo(kind, layers=tuple(layers)))
-        timer.stop()
-        self.timings.append((kind, tuple(layers), timer))
-        return result
-
-    def run_layer(self, index: int, value, m: int, kind: str):
-        layer = self.worker.layers[index]
-        params, buffers = self.weights.value
-        shell = layer.shell(self.device.index)
-        layer.bind(shell, params, buffers, check_on_device=self.device.is_on_device)
-        args, kwargs = value
-        try:
-            with failure_site(f"{layer} in {self.name}, microbatch {m}"):
-                output = self.timed(kind, range(index, index + 1), lambda: shell(*args, **kwargs))
-                return ((output,), {})
-        finally:
-            layer.unbind(shell)
-
-
-def _check_loss(loss) -> None:
-    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-        raise TypeError(
-            f"loss_fn must return a scalar tensor, got {type(loss).__name__}"
-            + (f" of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else "")
-        )

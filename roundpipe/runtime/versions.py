@@ -1,0 +1,148 @@
+"""Weight versions: which weights each call uploads, and how steps publish new ones.
+
+Version ``v`` is the weights after ``v`` optimizer steps (a skipped or failing step
+also makes a version: the masters as the step left them). Every trainable
+parameter has two upload buffers in the model dtype: the user's own parameter
+tensor (``HOME``) and a spare (``SPARE``). At most two versions live at once, and
+:class:`VersionState` records explicitly which buffer holds which — there is no
+parity rule.
+
+- Asynchronous step ``k``: calls after it read version ``k - 1``; the step
+  publishes ``k`` into the buffer *not* holding ``k - 1``, whose readers (calls
+  issued before step ``k``) finished before the step ran.
+- Synchronous step ``k`` and :meth:`WeightVersions.make_current`: the next call
+  reads the newest version.
+- External writes (``load_state_dict``, in-place writes) are adopted with nothing in
+  flight: the masters take the written values and the next call reads them.
+
+The caller-side state is an immutable :class:`VersionState` held by the session,
+which replaces it with one assignment, so an interrupt never leaves it half-changed.
+The buffers themselves are written by the optimizer thread (:meth:`publish`) or with
+nothing in flight (:meth:`make_current`, :meth:`adopt_external_writes`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+import torch
+
+from .params import ParamEntry, ParameterStore
+from .sync import VersionGate
+
+HOME, SPARE = 0, 1
+
+
+@dataclass(frozen=True)
+class VersionState:
+    """Which version the next call reads, the newest queued one, and where each lives."""
+
+    read: int = 0
+    newest: int = 0
+    homes: tuple[tuple[int, int], ...] = ((0, HOME),)
+    """``(version, buffer)`` for the (at most two) live versions."""
+
+    def home_of(self, version: int) -> int:
+        return dict(self.homes)[version]
+
+    def after_step(self, is_async: bool) -> VersionState:
+        """A step was queued: it publishes ``newest + 1`` into the other buffer."""
+        version = self.newest + 1
+        target = SPARE if self.home_of(self.newest) == HOME else HOME
+        homes = ((self.newest, self.home_of(self.newest)), (version, target))
+        read = self.newest if is_async else version
+        return VersionState(read=read, newest=version, homes=homes)
+
+    def reading_newest(self) -> VersionState:
+        """The next calls read the newest version (a sync step ran, or a synchronize)."""
+        return replace(self, read=self.newest)
+
+    def settled_home(self) -> VersionState:
+        """Nothing in flight and the user's tensors hold the newest version."""
+        return VersionState(read=self.newest, newest=self.newest, homes=((self.newest, HOME),))
+
+
+class WeightVersions:
+    """The upload buffers of every trainable parameter and the 'version published' gate."""
+
+    def __init__(self, store: ParameterStore, pin: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        self.store = store
+        self._pin = pin
+        self._spares: dict[int, torch.Tensor] = {}
+        self.published = VersionGate(0)
+
+    # -- reading ----------------------------------------------------------------------
+
+    def source(self, uid: int, buffer: int) -> torch.Tensor:
+        """What a call reading ``buffer`` uploads for parameter ``uid``."""
+        entry = self.store.entries[uid]
+        if not entry.trainable or buffer == HOME:
+            return entry.param.data
+        return self._spare(uid)
+
+    def _spare(self, uid: int) -> torch.Tensor:
+        spare = self._spares.get(uid)
+        if spare is None:
+            spare = self._pin(torch.empty_like(self.store.entries[uid].param.data))
+            self._spares[uid] = spare
+        return spare
+
+    # -- the optimizer thread ----------------------------------------------------------
+
+    def publish(self, version: int, buffer: int) -> None:
+        """Write the masters into ``buffer`` as ``version`` and let readers of it go.
+
+        A parameter the user wrote in place meanwhile is left as written (it is
+        adopted before the next call); everything else is overwritten.
+        """
+        with torch.no_grad():
+            for uid, entry in self.store.entries.items():
+                if entry.master is None:
+                    continue
+                if buffer == HOME and entry.externally_modified():
+                    continue
+                self.source(uid, buffer).copy_(entry.master)
+        self.published.advance_to(version)
+
+    # -- with nothing in flight ----------------------------------------------------------
+
+    def make_current(self, state: VersionState) -> VersionState:
+        """Copy the newest version into the user's tensors (and ``.grad``); return the
+        state in which the next call reads it from there."""
+        home = state.home_of(state.newest)
+        with torch.no_grad():
+            for uid, entry in self.store.entries.items():
+                if entry.master is None:
+                    continue
+                if home == SPARE and not entry.externally_modified():
+                    entry.param.data.copy_(self._spare(uid))
+                entry.show_grad()
+                if not entry.externally_modified():
+                    entry.mark_seen()
+        return state.settled_home()
+
+    def adopt_external_writes(self, state: VersionState, force: bool = False) -> VersionState:
+        """Make the user's tensors current, then take over what the user wrote into them:
+        the masters follow, and the next call reads the written weights."""
+        modified = [e for e in self.store.entries.values() if force or e.externally_modified()]
+        settled = self.make_current(state)
+        with torch.no_grad():
+            for entry in modified:
+                _adopt(entry, self._pin)
+        self.published.advance_to(settled.newest)
+        return settled
+
+    def republish(self, state: VersionState) -> None:
+        """After a failed publish: rewrite the newest version from the masters."""
+        self.published.reset()
+        self.publish(state.newest, state.home_of(state.newest))
+
+
+def _adopt(entry: ParamEntry, pin: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    pinned = pin(entry.param.data)
+    if pinned is not entry.param.data:
+        entry.param.data = pinned
+    if entry.master is not None:
+        entry.master.copy_(entry.param.data)
+    entry.mark_seen()
