@@ -9,7 +9,6 @@ allocates them once.
 
 from __future__ import annotations
 
-import threading
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
@@ -25,7 +24,8 @@ _Key = tuple[torch.dtype, tuple[int, ...]]
 
 class HostBufferPool:
     """Reusable host buffers keyed by dtype and shape (the least recently used shapes
-    are forgotten beyond ``max_shapes``)."""
+    are forgotten beyond ``max_shapes``). Used by the driving thread only, so it
+    takes no lock an interrupt could leave held."""
 
     def __init__(
         self,
@@ -37,7 +37,6 @@ class HostBufferPool:
         self._max_shapes = max_shapes
         self._max_free = max_free_per_shape
         self._free: OrderedDict[_Key, list[torch.Tensor]] = OrderedDict()
-        self._lock = threading.Lock()
 
     def take(self, tree: Any) -> tuple[Any, list[torch.Tensor]]:
         """A copy of ``tree`` whose tensors live in pool buffers, and those buffers.
@@ -58,15 +57,14 @@ class HostBufferPool:
         return tree_unflatten(out, spec), buffers
 
     def give_back(self, buffers: list[torch.Tensor]) -> None:
-        with self._lock:
-            for buffer in buffers:
-                key = (buffer.dtype, tuple(buffer.shape))
-                free = self._free.setdefault(key, [])
-                self._free.move_to_end(key)
-                if len(free) < self._max_free:
-                    free.append(buffer)
-            while len(self._free) > self._max_shapes:
-                self._free.popitem(last=False)
+        for buffer in buffers:
+            key = (buffer.dtype, tuple(buffer.shape))
+            free = self._free.setdefault(key, [])
+            self._free.move_to_end(key)
+            if len(free) < self._max_free:
+                free.append(buffer)
+        while len(self._free) > self._max_shapes:
+            self._free.popitem(last=False)
 
     def _copy(self, tensor: torch.Tensor, buffers: list[torch.Tensor]) -> torch.Tensor:
         tensor = tensor.detach()
@@ -78,10 +76,9 @@ class HostBufferPool:
         return buffer
 
     def _buffer(self, key: _Key) -> torch.Tensor:
-        with self._lock:
-            free = self._free.get(key)
-            if free:
-                return free.pop()
+        free = self._free.get(key)
+        if free:
+            return free.pop()
         dtype, shape = key
         return self._pin(torch.empty(shape, dtype=dtype))
 

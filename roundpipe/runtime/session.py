@@ -75,9 +75,8 @@ class Session:
         self.inputs = inputs
         self.ledger = _Ledger()
         self.closed = False
-        self._owner: int | None = None
-        self._depth = 0
-        self._owner_lock = threading.Lock()
+        self.driver: dict[str, Any] = {}
+        """The thread inside a public method (``"thread"``) and how deeply (``"depth"``)."""
         _live_sessions().add(self)
 
     # -- who may drive the model ---------------------------------------------------------
@@ -202,10 +201,10 @@ class Session:
         for call in ledger.in_flight:
             call.latch.wait()
         outcomes = [task.done.result() for task in ledger.steps]
-        reportable = [error] if error is not None else []
-        reportable += [c.latch.error for c in ledger.in_flight if c.returned and c.failed]
         step_errors = [e for e in outcomes if e is not None]
-        reportable += step_errors
+        reportable = [error] if error is not None else []
+        reportable += step_errors  # before calls' errors, which may be their consequence
+        reportable += [c.latch.error for c in ledger.in_flight if c.returned and c.failed]
         failed = [c for c in ledger.since_step if c.failed or not c.returned]
         discard = any(c.accumulated for c in failed)
         self.pool.clear_errors()
@@ -269,7 +268,12 @@ class Session:
 
 
 class _Driving:
-    """Entered by every public method (re-entrant on the driving thread)."""
+    """Entered by every public method (re-entrant on the driving thread).
+
+    Ownership is claimed with one atomic ``dict.setdefault`` rather than a lock, so an
+    interrupt between entering and leaving can never leave a lock held; a driving
+    thread that died without leaving is replaced.
+    """
 
     def __init__(self, session: Session, what: str) -> None:
         self.session = session
@@ -282,24 +286,23 @@ class _Driving:
                 f"{self.what} was called from inside a step_fn (the optimizer thread), "
                 "where it would wait for the step itself; call it after step() instead"
             )
-        me = threading.get_ident()
-        with session._owner_lock:
-            if session._owner not in (None, me):
-                raise RuntimeError(
-                    f"{self.what} was called from a second thread while another thread is "
-                    "driving this RoundPipe model; drive a model from one thread at a time"
-                )
-            session._owner = me
-            session._depth += 1
+        me = threading.current_thread()
+        owner = session.driver.setdefault("thread", me)
+        if owner is not me and not owner.is_alive():
+            session.driver["thread"] = owner = me
+        if owner is not me:
+            raise RuntimeError(
+                f"{self.what} was called from a second thread while another thread is "
+                "driving this RoundPipe model; drive a model from one thread at a time"
+            )
+        session.driver["depth"] = session.driver.get("depth", 0) + 1
         return session
 
     def __exit__(self, *exc_info: Any) -> None:
-        session = self.session
-        with session._owner_lock:
-            session._depth -= 1
-            if session._depth <= 0:
-                session._depth = 0
-                session._owner = None
+        driver = self.session.driver
+        driver["depth"] -= 1
+        if driver["depth"] <= 0:
+            driver.pop("thread", None)
 
 
 def _note(error: BaseException, text: str) -> None:
