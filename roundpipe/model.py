@@ -34,7 +34,7 @@ from .runtime.params import ParameterStore
 from .runtime.planner import AutoPlanner
 from .runtime.profiler import LayerProfiler
 from .runtime.session import Session, finalize_unclosed
-from .runtime.sync import Handoff, VersionGate
+from .runtime.sync import Handoff, VersionGate, wait_event, wait_future
 from .runtime.versions import WeightVersions
 from .runtime.worker import DeviceWorker
 from .schedule import Schedule, lower, lower_unfused
@@ -197,7 +197,7 @@ class RoundPipe(nn.Module):
             task = session.queue_step(step_fn, is_async)
             if is_async:
                 return
-            error = task.done.result()
+            error = wait_future(task.done)
             if error is not None:
                 session.fail(error, step_error=True)
             session.settle()  # a call of the step failed: the step was skipped; say why
@@ -457,5 +457,5 @@ class RoundPipe(nn.Module):
 def _read(call: Call, key: tuple) -> Any:
     handoff = call.mailbox.get(key)
     if handoff.event is not None:
-        handoff.event.synchronize()
+        wait_event(handoff.event)
     return handoff.slot.value

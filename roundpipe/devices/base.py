@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -84,6 +85,20 @@ class Event(abc.ABC):
     @abc.abstractmethod
     def query(self) -> bool:
         """Whether the work before this event finished."""
+
+    def wait(self, timeout: float | None) -> bool:
+        """Block until the work before this event finished or ``timeout`` seconds passed;
+        whether it finished (its error is raised by :meth:`synchronize`)."""
+        if timeout is None:
+            with contextlib.suppress(Exception):
+                self.synchronize()
+            return True
+        deadline = time.monotonic() + timeout
+        while not self.query():
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.0005)
+        return True
 
 
 class Stream(abc.ABC):

@@ -135,6 +135,9 @@ class _EmulatedEvent(Event):
     def query(self) -> bool:
         return self._done.is_set()
 
+    def wait(self, timeout: float | None) -> bool:
+        return self._done.wait(timeout)
+
 
 _STOP = object()
 

@@ -25,16 +25,19 @@ import contextlib
 import threading
 import warnings
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any, NoReturn
 
 from ..devices import DevicePool
 from ..errors import RoundPipeError
 from ..schedule import Job
+from . import interrupts
 from .call import Call
 from .inputs import HostBufferPool
 from .optimizer import OptimizerThread, StepTask
 from .params import ParameterStore
+from .sync import wait_future
 from .versions import VersionState, WeightVersions
 from .worker import DeviceWorker
 
@@ -200,7 +203,7 @@ class Session:
         ledger = self.ledger
         for call in ledger.in_flight:
             call.latch.wait()
-        outcomes = [task.done.result() for task in ledger.steps]
+        outcomes = [wait_future(task.done) for task in ledger.steps]
         step_errors = [e for e in outcomes if e is not None]
         reportable = [error] if error is not None else []
         reportable += step_errors  # before calls' errors, which may be their consequence
@@ -272,12 +275,16 @@ class _Driving:
 
     Ownership is claimed with one atomic ``dict.setdefault`` rather than a lock, so an
     interrupt between entering and leaving can never leave a lock held; a driving
-    thread that died without leaving is replaced.
+    thread that died without leaving is replaced. Inside, Ctrl-C is deferred to the
+    waits and to the exit (:mod:`.interrupts`); one that arrives after the method's
+    work was done still raises, and the calls it issued then count as interrupted.
     """
 
     def __init__(self, session: Session, what: str) -> None:
         self.session = session
         self.what = what
+        self.deferring = False
+        self.first_seq = 0
 
     def __enter__(self) -> Session:
         session = self.session
@@ -286,6 +293,16 @@ class _Driving:
                 f"{self.what} was called from inside a step_fn (the optimizer thread), "
                 "where it would wait for the step itself; call it after step() instead"
             )
+        self.deferring = interrupts.defer()  # first: no Ctrl-C between claim and release
+        try:
+            self._claim(session)
+        except BaseException:
+            self._undefer()
+            raise
+        self.first_seq = session.ledger.next_seq
+        return session
+
+    def _claim(self, session: Session) -> None:
         me = threading.current_thread()
         owner = session.driver.setdefault("thread", me)
         if owner is not me and not owner.is_alive():
@@ -296,13 +313,21 @@ class _Driving:
                 "driving this RoundPipe model; drive a model from one thread at a time"
             )
         session.driver["depth"] = session.driver.get("depth", 0) + 1
-        return session
 
-    def __exit__(self, *exc_info: Any) -> None:
+    def _undefer(self) -> Callable[[], None] | None:
+        return interrupts.undefer() if self.deferring else None
+
+    def __exit__(self, exc_type, exc, traceback) -> None:
         driver = self.session.driver
         driver["depth"] -= 1
         if driver["depth"] <= 0:
             driver.pop("thread", None)
+        deliver = self._undefer()
+        if deliver is not None and exc_type is None:
+            for call in self.session.ledger.in_flight:
+                if call.seq >= self.first_seq:
+                    call.returned = False
+            deliver()
 
 
 def _note(error: BaseException, text: str) -> None:

@@ -10,11 +10,14 @@ were published (:class:`VersionGate`), a caller learns every job of a call is do
 from __future__ import annotations
 
 import threading
-from collections.abc import Hashable, Iterable
+from collections.abc import Callable, Hashable, Iterable
+from concurrent import futures
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
 from ..devices import Event, Slot
+from . import interrupts
 
 
 @dataclass
@@ -50,9 +53,8 @@ class Mailbox:
             self._cond.notify_all()
 
     def get(self, key: Hashable) -> Handoff:
+        host_wait(lambda timeout: self._has(key, timeout))
         with self._cond:
-            while key not in self._items:
-                self._cond.wait()
             item = self._items[key]
             remaining = self._readers.get(key, 1) - 1
             if remaining <= 0:
@@ -63,6 +65,10 @@ class Mailbox:
         if isinstance(item, BaseException):
             raise item
         return item
+
+    def _has(self, key: Hashable, timeout: float | None) -> bool:
+        with self._cond:
+            return self._cond.wait_for(lambda: key in self._items, timeout)
 
 
 class VersionGate:
@@ -143,11 +149,35 @@ class Latch:
             self._pending.update(set(jobs) - self._finished)
 
     def wait(self) -> BaseException | None:
+        host_wait(self._finished_within)
+        return self.error
+
+    def _finished_within(self, timeout: float | None) -> bool:
         with self._cond:
-            while self._pending:
-                self._cond.wait()
-            return self.error
+            return self._cond.wait_for(lambda: not self._pending, timeout)
 
     @property
     def done(self) -> bool:
         return not self._pending
+
+
+def host_wait(wait: Callable[[float | None], bool]) -> None:
+    """Call ``wait(timeout)`` until it says done. On a thread deferring Ctrl-C, wait in
+    short slices and deliver a noted Ctrl-C between them, outside any lock."""
+    if not interrupts.deferring():
+        wait(None)
+        return
+    while not wait(interrupts.POLL_S):
+        interrupts.interrupt_point()
+
+
+def wait_future(future: Future) -> Any:
+    """``future.result()``, answering Ctrl-C while it waits."""
+    host_wait(lambda timeout: bool(futures.wait([future], timeout).done))
+    return future.result()
+
+
+def wait_event(event: Event) -> None:
+    """``event.synchronize()``, answering Ctrl-C while it waits."""
+    host_wait(event.wait)
+    event.synchronize()

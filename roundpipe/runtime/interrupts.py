@@ -1,0 +1,70 @@
+"""Ctrl-C only where the runtime can take it: deferred SIGINT on the driving thread.
+
+While the main thread is inside a public method, SIGINT does not raise at whatever
+bytecode it lands on (between a ledger update and the work it announces, or inside
+a lock's ``__exit__``); the handler only notes it. The note is turned into the
+handler's ``KeyboardInterrupt`` at *interrupt points* — inside the host waits
+(which poll while deferring) and when the public method is left. So an interrupt
+never tears the runtime's own bookkeeping, and a long wait still answers Ctrl-C
+within :data:`POLL_S`.
+
+Nothing is installed when the calling thread is not the main thread, or when
+SIGINT is ignored or left to the OS (no ``KeyboardInterrupt`` can arise then).
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+from collections.abc import Callable
+
+POLL_S = 0.05
+"""How often a deferring wait looks for a noted Ctrl-C."""
+
+_state = {"depth": 0, "pending": False, "previous": None}
+
+
+def _note(signum: int, frame) -> None:
+    _state["pending"] = True
+
+
+def defer() -> bool:
+    """Start deferring SIGINT (nestable); whether this call installed the handler."""
+    if threading.current_thread() is not threading.main_thread():
+        return False
+    if _state["depth"]:
+        _state["depth"] += 1
+        return True
+    previous = signal.getsignal(signal.SIGINT)
+    if not callable(previous):
+        return False
+    _state["previous"] = previous
+    signal.signal(signal.SIGINT, _note)
+    _state["depth"] = 1
+    return True
+
+
+def undefer() -> Callable[[], None] | None:
+    """Stop deferring (if this was the outermost :func:`defer`); returns the handler to
+    call for a Ctrl-C that arrived meanwhile, or None."""
+    _state["depth"] -= 1
+    if _state["depth"] > 0:
+        return None
+    previous, pending = _state["previous"], _state["pending"]
+    _state["pending"] = False
+    signal.signal(signal.SIGINT, previous)
+    if not pending:
+        return None
+    return lambda: previous(signal.SIGINT, None)
+
+
+def deferring() -> bool:
+    """Whether the calling thread defers SIGINT now (so its waits must poll)."""
+    return _state["depth"] > 0 and threading.current_thread() is threading.main_thread()
+
+
+def interrupt_point() -> None:
+    """Deliver a Ctrl-C noted while deferring (the handler usually raises KeyboardInterrupt)."""
+    if _state["pending"] and deferring():
+        _state["pending"] = False
+        _state["previous"](signal.SIGINT, None)
