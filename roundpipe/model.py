@@ -27,18 +27,18 @@ from .plan import Plan
 from .runtime import optimizer_guard
 from .runtime.call import AutocastState, Call
 from .runtime.deferred import attach_backward
-from .runtime.inputs import HostBufferPool, check_on_host, split_call_inputs, split_call_label
+from .runtime.inputs import HostBufferPool, own_and_split
 from .runtime.layers import sequential_layers
 from .runtime.optimizer import OptimizerThread
 from .runtime.params import ParameterStore
 from .runtime.planner import AutoPlanner
 from .runtime.profiler import LayerProfiler
 from .runtime.session import Session, finalize_unclosed
-from .runtime.sync import Handoff, VersionGate, wait_event, wait_future
+from .runtime.sync import Handoff, VersionGate, wait_future
 from .runtime.versions import WeightVersions
 from .runtime.worker import DeviceWorker
 from .schedule import Schedule, lower, lower_unfused
-from .timeline import Span, Timeline
+from .timeline import Timeline
 
 PIN_MODES = ("alloc", "register", "off")
 
@@ -86,13 +86,7 @@ class RoundPipe(nn.Module):
         store = ParameterStore(layers, names, optim_dtype, pin=pin)
         versions = WeightVersions(store, pin)
         buffer_gates = {layer.index: VersionGate(0) for layer in layers if layer.buffer_uids}
-        self.profiler = LayerProfiler(
-            [sum(p.numel() for p in layer.module.parameters()) for layer in layers],
-            [
-                sum(p.numel() * p.element_size() for p in layer.module.parameters())
-                for layer in layers
-            ],
-        )
+        self.profiler = LayerProfiler.for_modules([layer.module for layer in layers])
         workers = [
             DeviceWorker(device, layers, store, versions, buffer_gates, self.profiler)
             for device in self.pool
@@ -168,11 +162,11 @@ class RoundPipe(nn.Module):
             inputs, labels, owned = self._own_inputs(config, args, kwargs, label, num)
             schedule = lower(self._plan_for(config), len(self.pool), self._cursor)
             call = self._start_call(
-                session, schedule, inputs, config, loss_fn, labels, return_outputs, owned
+                session, schedule, inputs, labels, config, loss_fn, return_outputs, owned
             )
             try:
-                losses = [_read(call, ("loss", m)) for m in range(num)]
-                outputs = [_read(call, ("out", m)) for m in range(num)] if return_outputs else None
+                losses = [call.read(("loss", m)) for m in range(num)]
+                outputs = [call.read(("out", m)) for m in range(num)] if return_outputs else None
             except Exception as exc:
                 session.fail(call.latch.wait() or exc)  # the first job that failed
             call.returned = True
@@ -225,20 +219,7 @@ class RoundPipe(nn.Module):
         Export it with ``save_chrome_trace(path)`` (Perfetto) or ``save_gantt(path)``.
         """
         self.synchronize()
-        origin = getattr(self, "_timeline_origin", 0.0)
-        return Timeline(
-            [
-                Span(
-                    device=r.device,
-                    stream=r.stream,
-                    kind=r.info.kind,
-                    label=r.info.label,
-                    start=max(r.start - origin, 0.0),
-                    end=max(r.end - origin, 0.0),
-                )
-                for r in self.pool.spans()
-            ]
-        )
+        return Timeline.from_records(self.pool.spans(), getattr(self, "_timeline_origin", 0.0))
 
     # -- inference / plain forward -------------------------------------------------------
 
@@ -267,10 +248,10 @@ class RoundPipe(nn.Module):
             )
             # A training call's inputs are re-read by its later backward: not recycled.
             call = self._start_call(
-                session, schedule, inputs, config, None, None, False, [] if training else owned
+                session, schedule, inputs, None, config, None, False, [] if training else owned
             )
             try:
-                outputs = [_read(call, ("act", self.num_layers, m))[0][0] for m in range(num)]
+                outputs = [call.read(("act", self.num_layers, m))[0][0] for m in range(num)]
             except Exception as exc:
                 session.fail(call.latch.wait() or exc)
             call.returned = True
@@ -401,46 +382,32 @@ class RoundPipe(nn.Module):
 
     def _own_inputs(self, config, args: tuple, kwargs: dict, label: Any, num: int):
         """Per-microbatch copies of the inputs and labels, and the buffers they use."""
-        check_on_host((args, kwargs), "the inputs")
-        check_on_host(label, "the label")
-        (args, kwargs, label), owned = self._session.inputs.take((args, kwargs, label))
-        inputs = split_call_inputs(config, args, kwargs, num)
-        labels = split_call_label(config, label, num, args, kwargs)
-        return inputs, labels, owned
+        return own_and_split(self._session.inputs, config, args, kwargs, label, num)
 
     def _start_call(
         self,
         session: Session,
         schedule: Schedule,
         inputs: list,
-        config: RoundPipeRunConfig,
-        loss_fn,
         labels,
+        config,
+        loss_fn,
         return_outputs: bool,
         owned: list,
     ) -> Call:
-        versions = session.ledger.versions
-        call = Call(
-            schedule=schedule,
-            num_microbatches=len(inputs),
-            recompute_grain=config.recompute_grain,
-            preserve_rng_state=config.preserve_rng_state,
-            weights_version=versions.read,
-            weights_buffer=versions.home_of(versions.read),
-            chunk_bytes=config.weight_chunk_bytes,
-            prefetch_stages=config.prefetch_stages,
+        call = Call.start(
+            schedule,
+            config,
+            inputs,
+            labels,
+            session.ledger.versions,
+            seq=session.ledger.next_seq,
             autocast=AutocastState.capture(self.pool.devices[0].torch_device.type),
             loss_fn=loss_fn,
-            labels=labels,
-            return_outputs=return_outputs,
-            seq=session.ledger.next_seq,
-            steps_before=versions.newest,
             loss_scale=self._loss_scale() if loss_fn is not None else None,
-            forward_only=loss_fn is None and not schedule.backward_jobs,
+            return_outputs=return_outputs,
             owned_buffers=owned,
         )
-        for m, (args, kwargs) in enumerate(inputs):
-            call.mailbox.post(("act", 0, m), Handoff(Slot((tuple(args), dict(kwargs))), None))
         self._cursor = schedule.next_device
         session.issue(call)
         return call
@@ -452,10 +419,3 @@ class RoundPipe(nn.Module):
         # scale() creates the scaler's state on first use; its step() insists on it.
         self.grad_scaler.scale(torch.ones((), device=self.pool.devices[0].torch_device))
         return float(self.grad_scaler.get_scale())
-
-
-def _read(call: Call, key: tuple) -> Any:
-    handoff = call.mailbox.get(key)
-    if handoff.event is not None:
-        wait_event(handoff.event)
-    return handoff.slot.value

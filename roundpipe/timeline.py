@@ -58,6 +58,23 @@ class Timeline:
 
     spans: list[Span] = field(default_factory=list)
 
+    @classmethod
+    def from_records(cls, records: Iterable, origin: float) -> Timeline:
+        """The spans of executed-op records (``devices.SpanRecord``), timed from ``origin``."""
+        return cls(
+            [
+                Span(
+                    device=r.device,
+                    stream=r.stream,
+                    kind=r.info.kind,
+                    label=r.info.label,
+                    start=max(r.start - origin, 0.0),
+                    end=max(r.end - origin, 0.0),
+                )
+                for r in records
+            ]
+        )
+
     def add(self, span: Span) -> None:
         self.spans.append(span)
 

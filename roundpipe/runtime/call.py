@@ -23,8 +23,11 @@ from typing import Any
 
 import torch
 
+from ..config import RoundPipeRunConfig
+from ..devices import Slot
 from ..schedule import Job, JobKind, Schedule
-from .sync import Latch, Mailbox
+from .sync import Handoff, Latch, Mailbox, wait_event
+from .versions import VersionState
 
 
 @dataclass
@@ -82,12 +85,49 @@ class Call:
     owned_buffers: list = field(default_factory=list)
     """Host copies of the caller's inputs and labels, returned to the pool when done."""
 
+    @classmethod
+    def start(
+        cls,
+        schedule: Schedule,
+        config: RoundPipeRunConfig,
+        inputs: list[tuple[tuple, dict]],
+        labels: list[Any] | None,
+        versions: VersionState,
+        **fields: Any,
+    ) -> Call:
+        """A call of ``schedule`` run with ``config`` on ``inputs``, reading the weights
+        ``versions`` says new calls read; its inputs are posted for the first jobs."""
+        call = cls(
+            schedule=schedule,
+            num_microbatches=len(inputs),
+            recompute_grain=config.recompute_grain,
+            preserve_rng_state=config.preserve_rng_state,
+            weights_version=versions.read,
+            weights_buffer=versions.home_of(versions.read),
+            chunk_bytes=config.weight_chunk_bytes,
+            prefetch_stages=config.prefetch_stages,
+            labels=labels,
+            steps_before=versions.newest,
+            forward_only=fields["loss_fn"] is None and not schedule.backward_jobs,
+            **fields,
+        )
+        for m, (args, kwargs) in enumerate(inputs):
+            call.mailbox.post(("act", 0, m), Handoff(Slot((tuple(args), dict(kwargs))), None))
+        return call
+
     def __post_init__(self) -> None:
         self.latch = Latch(j.index for j in self.first_jobs)
         self.recompute_inputs = self._recompute_inputs()
         self._expect_readers()
         self._claims: set[int] = set()
         self._claim_lock = threading.Lock()
+
+    def read(self, key: tuple) -> Any:
+        """On the caller's thread: the value handed off under ``key``, once complete."""
+        handoff = self.mailbox.get(key)
+        if handoff.event is not None:
+            wait_event(handoff.event)
+        return handoff.slot.value
 
     @property
     def failed(self) -> bool:

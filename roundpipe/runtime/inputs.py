@@ -135,3 +135,21 @@ def split_call_label(
                 f"the label's batch size ({size}) does not match the inputs' ({input_size})"
             )
     return split_tree(label, num)
+
+
+def own_and_split(
+    pool: HostBufferPool,
+    config: RoundPipeRunConfig,
+    args: tuple,
+    kwargs: dict,
+    label: Any,
+    num: int,
+) -> tuple[list, list, list[torch.Tensor]]:
+    """Per-microbatch ``(args, kwargs)`` and labels, copied into ``pool`` buffers, and
+    the buffers (to give back once the call has finished)."""
+    check_on_host((args, kwargs), "the inputs")
+    check_on_host(label, "the label")
+    (args, kwargs, label), owned = pool.take((args, kwargs, label))
+    inputs = split_call_inputs(config, args, kwargs, num)
+    labels = split_call_label(config, label, num, args, kwargs)
+    return inputs, labels, owned

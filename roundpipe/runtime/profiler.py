@@ -12,6 +12,8 @@ from __future__ import annotations
 import threading
 from collections.abc import Sequence
 
+from torch import nn
+
 from ..sim.costs import LayerCosts
 
 _ESTIMATE_SECONDS_PER_PARAM = 1e-9
@@ -33,6 +35,13 @@ class LayerProfiler:
         self._seconds: dict[str, list[float | None]] = {
             kind: [None] * len(param_counts) for kind in ("forward", "recompute", "backward")
         }
+
+    @classmethod
+    def for_modules(cls, modules: Sequence[nn.Module]) -> LayerProfiler:
+        """A profiler whose size-based estimates come from each layer's parameters."""
+        counts = [sum(p.numel() for p in m.parameters()) for m in modules]
+        sizes = [sum(p.numel() * p.element_size() for p in m.parameters()) for m in modules]
+        return cls(counts, sizes)
 
     @property
     def num_layers(self) -> int:
