@@ -39,6 +39,7 @@ def defer() -> bool:
     if not callable(previous):
         return False
     _state["previous"] = previous
+    _state["pending"] = False  # a note left by an interrupt that was already raised
     signal.signal(signal.SIGINT, _note)
     _state["depth"] = 1
     return True
@@ -50,9 +51,11 @@ def undefer() -> Callable[[], None] | None:
     _state["depth"] -= 1
     if _state["depth"] > 0:
         return None
-    previous, pending = _state["previous"], _state["pending"]
-    _state["pending"] = False
+    previous = _state["previous"]
+    # Restore first: signal.signal() runs a handler for a signal already pending, so a
+    # Ctrl-C arriving now is noted before ``pending`` is read, never lost.
     signal.signal(signal.SIGINT, previous)
+    pending, _state["pending"] = _state["pending"], False
     if not pending:
         return None
     return lambda: previous(signal.SIGINT, None)

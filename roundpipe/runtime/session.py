@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import sys
 import threading
 import warnings
 import weakref
@@ -351,9 +352,25 @@ def _live_sessions() -> weakref.WeakSet[Session]:
     return _sessions
 
 
+EXIT_DRAIN_LIMIT_S = 120.0
+"""At interpreter exit, how long to wait for open models' work before giving up."""
+
+
 def _stop_all_at_exit() -> None:
-    for session in list(_sessions or ()):
-        shutdown(session)
+    sessions = list(_sessions or ())
+    if not sessions:
+        return
+    stopper = threading.Thread(
+        target=lambda: [shutdown(s) for s in sessions], name="roundpipe-exit", daemon=True
+    )
+    stopper.start()
+    stopper.join(EXIT_DRAIN_LIMIT_S)
+    if stopper.is_alive():
+        print(
+            f"roundpipe: work in flight did not finish within {EXIT_DRAIN_LIMIT_S:.0f} s of "
+            "exit; leaving it unfinished",
+            file=sys.stderr,
+        )
 
 
 def shutdown(session: Session) -> None:
