@@ -9,7 +9,10 @@ the main thread as in a real program, and a model left hung cannot hang pytest:
   run: the method returned or raised KeyboardInterrupt within seconds,
   ``synchronize()`` returns without an error, and the model is consistent and exact
   (``children/harness.py: assert_consistent``). For ``close()``: called again after
-  an interrupted one, it returns and stops every thread.
+  an interrupted one, it returns and stops every thread. Mode ``raise`` is stricter
+  than any real Ctrl-C: KeyboardInterrupt is raised at every line of
+  ``roundpipe/model.py`` and ``roundpipe/runtime/session.py`` even where the runtime
+  defers SIGINT, so the orchestration must hold up without that deferral too.
 * ``children/sigint_training.py``: real SIGINT bursts into a training loop that
   catches KeyboardInterrupt and carries on; the child must end with an exact model.
 """
@@ -90,11 +93,17 @@ def run_child(what: str, args: list[str], limit_s: float) -> ChildRun:
 # -- a simulated SIGINT at every line ----------------------------------------------------------
 
 
+MODES = {
+    "sigint": [],  # what a real SIGINT does at that line (the runtime may defer it)
+    "raise": ["--raise"],  # KeyboardInterrupt raised at that line, deferral or not
+}
+
+
 @pytest.fixture(scope="module")
-def injection_runs(request) -> dict[str, Future]:
-    """One child per method that this session selected, two at a time, started at once."""
+def injection_runs(request) -> dict[tuple[str, str], Future]:
+    """One child per (method, mode) this session selected, two at a time, started at once."""
     wanted = [
-        item.callspec.params["method"]
+        (item.callspec.params["method"], item.callspec.params["mode"])
         for item in request.session.items
         if item.module is request.module
         and hasattr(item, "callspec")
@@ -102,22 +111,28 @@ def injection_runs(request) -> dict[str, Future]:
     ]
     pool = ThreadPoolExecutor(max_workers=2)
     runs = {
-        method: pool.submit(run_child, method, [INJECTION_CHILD, method], INJECTION_LIMIT_S)
-        for method in dict.fromkeys(wanted)
+        (method, mode): pool.submit(
+            run_child, method, [INJECTION_CHILD, method, *MODES[mode]], INJECTION_LIMIT_S
+        )
+        for method, mode in dict.fromkeys(wanted)
     }
     yield runs
     pool.shutdown(wait=True)
 
 
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("method", METHODS)
-def test_ctrl_c_at_every_line_never_hangs_and_keeps_the_model_exact(method, injection_runs):
-    run = injection_runs[method].result()
+def test_ctrl_c_at_every_line_never_hangs_and_keeps_the_model_exact(method, mode, injection_runs):
+    run = injection_runs[method, mode].result()
     assert run.ok(), run.report()
 
 
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("method", ["close"])
-def test_ctrl_c_at_every_line_of_close_then_close_again_stops_every_thread(method, injection_runs):
-    run = injection_runs[method].result()
+def test_ctrl_c_at_every_line_of_close_then_close_again_stops_every_thread(
+    method, mode, injection_runs
+):
+    run = injection_runs[method, mode].result()
     assert run.ok(), run.report()
 
 

@@ -242,9 +242,10 @@ class Session:
         self.fail_if(error)
 
     def make_current(self) -> None:
-        self.ledger = replace(
-            self.ledger, versions=self.versions.make_current(self.ledger.versions)
-        )
+        """With everything drained: the user's tensors show the newest weights (writes
+        the user made into them are adopted instead), and the next call reads them."""
+        state = self.versions.adopt_external_writes(self.ledger.versions)
+        self.ledger = replace(self.ledger, versions=state)
 
     def close(self) -> BaseException | None:
         """Drain, stop every thread, and return the first unreported failure."""

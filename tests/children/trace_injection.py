@@ -1,6 +1,6 @@
 """Child of test_interrupts.py: Ctrl-C at every line of one public method, on the main thread.
 
-Usage: ``trace_injection.py METHOD`` (a key of ``SCENARIOS``, or ``close``).
+Usage: ``trace_injection.py METHOD [--raise]`` (a key of ``SCENARIOS``, or ``close``).
 
 A trace hook, set on the main thread only, simulates a SIGINT arriving at one line
 event of the caller-side orchestration (``roundpipe/model.py`` and every file under
@@ -8,6 +8,11 @@ event of the caller-side orchestration (``roundpipe/model.py`` and every file un
 handler installed at that moment, which is what the interpreter does when a real
 SIGINT lands there. With Python's default handler that raises KeyboardInterrupt at
 that very line; a handler the runtime installed (to defer Ctrl-C) runs instead.
+
+With ``--raise`` the hook is stricter than any real Ctrl-C: it raises
+KeyboardInterrupt itself at each line event of the public methods and the session
+code they run (``roundpipe/model.py``, ``roundpipe/runtime/session.py``), even where
+the runtime defers SIGINT.
 
 A dry run lists the method's line events; the injected runs then hit each of them
 (every event, or past ``MAX_INJECTIONS`` every distinct line plus a stride of the
@@ -58,6 +63,8 @@ LR = 1e-3  # small enough that hundreds of steps on one batch never diverge
 PACKAGE = os.path.dirname(os.path.realpath(roundpipe.__file__))
 RUNTIME = os.path.join(PACKAGE, "runtime") + os.sep
 MODEL_PY = os.path.join(PACKAGE, "model.py")
+SESSION_PY = os.path.join(RUNTIME, "session.py")
+RAISE = "--raise" in sys.argv[2:]
 
 Site = tuple[str, int]  # (file, line)
 Target = tuple[Site, int]  # inject the k-th (1-based) time this line runs
@@ -80,7 +87,11 @@ def is_orchestration(filename: str) -> bool:
     known = _orchestration.get(filename)
     if known is None:
         path = os.path.realpath(filename)
-        known = _orchestration[filename] = path == MODEL_PY or path.startswith(RUNTIME)
+        if RAISE:
+            known = path in (MODEL_PY, SESSION_PY)
+        else:
+            known = path == MODEL_PY or path.startswith(RUNTIME)
+        _orchestration[filename] = known
     return known
 
 
@@ -112,6 +123,8 @@ class Injector:
         if (site, self.seen[site]) == self.target:
             self.fired = True
             sys.settrace(None)  # once; frames already traced return at once from here on
+            if RAISE:
+                raise KeyboardInterrupt(f"injected at {describe(self.target)}")
             handler = signal.getsignal(signal.SIGINT)
             if callable(handler):
                 handler(signal.SIGINT, frame)  # Python's default raises KeyboardInterrupt
