@@ -54,10 +54,6 @@ class VersionState:
         read = self.newest if is_async else version
         return VersionState(read=read, newest=version, homes=homes)
 
-    def reading_newest(self) -> VersionState:
-        """The next calls read the newest version (a sync step ran, or a synchronize)."""
-        return replace(self, read=self.newest)
-
     def settled_home(self) -> VersionState:
         """Nothing in flight and the user's tensors hold the newest version."""
         return VersionState(read=self.newest, newest=self.newest, homes=((self.newest, HOME),))
