@@ -24,7 +24,7 @@ nothing in flight (:meth:`make_current`, :meth:`adopt_external_writes`).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
