@@ -263,6 +263,15 @@ class RoundPipe(nn.Module):
     def _backward_call(self, call: Call, grads_per_microbatch: list[list]) -> None:
         """Post the output gradients, run the call's backward jobs and wait for them."""
         with self._session.enter("backward") as session:
+            versions = session.ledger.versions
+            if versions.newest != call.steps_before or any(
+                entry.externally_modified() for entry in session.store.entries.values()
+            ):
+                raise RuntimeError(
+                    "the weights changed (a step, load_state_dict or an in-place write) between "
+                    "model(x) and .backward() on its output; the backward stages would recompute "
+                    "with other weights than the forward used. Call .backward() first"
+                )
             self._begin(session)
             call.loss_scale = self._loss_scale()  # the user scaled the loss just before
             call.returned = False

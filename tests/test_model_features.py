@@ -283,6 +283,20 @@ def test_two_plain_forwards_then_one_backward_accumulate_both():
     assert_grads_close(model, reference)
 
 
+def test_a_step_between_a_plain_forward_and_its_backward_raises_like_pytorch():
+    # PyTorch refuses a backward through weights modified in place since the forward.
+    x, y = batch()
+    with pipe_on(mlp(), devices=2, num_microbatch=3) as wrapped:
+        optimizer = torch.optim.SGD(wrapped.optim_parameters(), lr=0.1)
+        mse_sum(wrapped(x), y).backward()
+        loss = mse_sum(wrapped(x), y)
+        wrapped.step(lambda: (optimizer.step(), optimizer.zero_grad()), is_async=False)
+        with pytest.raises(RuntimeError, match="between model\\(x\\) and .backward"):
+            loss.backward()
+        mse_sum(wrapped(x), y).backward()  # the model goes on
+        wrapped.synchronize()
+
+
 def test_backward_through_a_plain_forward_with_dropout_uses_the_forward_masks():
     model = dropout_model()
     reference = copy.deepcopy(model)

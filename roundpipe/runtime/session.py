@@ -161,8 +161,11 @@ class Session:
         call.issued = False
         call.latch.add(job.index for job in jobs)
         ledger = self.ledger
-        if call not in ledger.in_flight:
-            self.ledger = replace(ledger, in_flight=(*ledger.in_flight, call))
+        self.ledger = replace(
+            ledger,
+            in_flight=_with(ledger.in_flight, call),
+            since_step=_with(ledger.since_step, call),
+        )
         for job in jobs:
             self.workers[job.device].submit(call, job)
         call.issued = True
@@ -330,6 +333,10 @@ class _Driving:
                 if call.seq >= self.first_seq:
                     call.returned = False
             deliver()
+
+
+def _with(calls: tuple[Call, ...], call: Call) -> tuple[Call, ...]:
+    return calls if call in calls else (*calls, call)
 
 
 def _note(error: BaseException, text: str) -> None:
