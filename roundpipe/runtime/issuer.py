@@ -283,7 +283,7 @@ class JobIssuer:
 
         def failed(error: BaseException) -> None:
             self.worker.open_buffer_gates(self.call, self.job)
-            self.call.latch.fail(error)
+            self.call.latch.fail(self.job.index, error)
 
         self.worker.after([downloaded.event], write_and_open_gates, on_error=failed)
 
@@ -312,7 +312,11 @@ class JobIssuer:
                 store.accumulate_grad(uid, grad, self.call.loss_scale)
 
         call = self.call
-        self.worker.after([downloaded.event], accumulate, on_error=call.latch.fail)
+        self.worker.after(
+            [downloaded.event],
+            accumulate,
+            on_error=lambda error: call.latch.fail(self.job.index, error),
+        )
 
     def release(self) -> None:
         self.weights.value = None

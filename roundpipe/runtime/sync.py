@@ -116,34 +116,41 @@ class VersionGate:
 
 
 class Latch:
-    """Tracks the jobs of a call until each has finished; keeps the first error.
+    """Tracks the jobs of a call (named by their schedule index) until each has
+    finished, and their errors.
 
-    Jobs are named (by index), so finishing one twice — a worker and a
-    cancellation racing for it — counts once.
+    Finishing a job twice — a worker and a cancellation racing for it — counts once.
+    :attr:`error` is the error of the earliest job in schedule order that failed, not
+    of whichever failed first in time: the root cause, and the same in every run.
     """
 
-    def __init__(self, jobs: Iterable[Hashable] = ()) -> None:
+    def __init__(self, jobs: Iterable[int] = ()) -> None:
         self._cond = threading.Condition()
-        self._pending: set[Hashable] = set(jobs)
-        self._finished: set[Hashable] = set()
-        self.error: BaseException | None = None
+        self._pending: set[int] = set(jobs)
+        self._finished: set[int] = set()
+        self._errors: dict[int, BaseException] = {}
 
-    def finish(self, job: Hashable, error: BaseException | None = None) -> None:
+    @property
+    def error(self) -> BaseException | None:
+        with self._cond:
+            return self._errors[min(self._errors)] if self._errors else None
+
+    def finish(self, job: int, error: BaseException | None = None) -> None:
         with self._cond:
             if job in self._finished:
                 return
             self._finished.add(job)
-            if error is not None and self.error is None:
-                self.error = error
+            if error is not None:
+                self._errors.setdefault(job, error)
             self._pending.discard(job)
             self._cond.notify_all()
 
-    def fail(self, error: BaseException) -> None:
+    def fail(self, job: int, error: BaseException) -> None:
+        """Record an error of ``job``'s host-side follow-up work (the job may be done)."""
         with self._cond:
-            if self.error is None:
-                self.error = error
+            self._errors.setdefault(job, error)
 
-    def add(self, jobs: Iterable[Hashable]) -> None:
+    def add(self, jobs: Iterable[int]) -> None:
         """Expect more jobs (dispatched after the call started); finished ones count as done."""
         with self._cond:
             self._pending.update(set(jobs) - self._finished)
