@@ -35,7 +35,7 @@ from .runtime.planner import AutoPlanner
 from .runtime.profiler import LayerProfiler
 from .runtime.session import Session, finalize_unclosed
 from .runtime.sync import Handoff, VersionGate, wait_future
-from .runtime.versions import WeightVersions
+from .runtime.versions import HOME, WeightVersions
 from .runtime.worker import DeviceWorker
 from .schedule import Schedule, lower, lower_unfused
 from .timeline import Timeline
@@ -263,18 +263,28 @@ class RoundPipe(nn.Module):
     def _backward_call(self, call: Call, grads_per_microbatch: list[list]) -> None:
         """Post the output gradients, run the call's backward jobs and wait for them."""
         with self._session.enter("backward") as session:
-            versions = session.ledger.versions
-            if versions.newest != call.steps_before or any(
-                entry.externally_modified() for entry in session.store.entries.values()
+            if call.backward_done:
+                raise RuntimeError(
+                    "backward through the output of this model(x) call ran already; the "
+                    "pipeline keeps no graph for a second one (retain_graph is not supported)"
+                )
+            ledger = session.ledger
+            rewritten = call.weights_buffer == HOME and ledger.rewrites != call.rewrites_before
+            if (
+                ledger.versions.newest != call.steps_before
+                or rewritten
+                or any(entry.externally_modified() for entry in session.store.entries.values())
             ):
                 raise RuntimeError(
-                    "the weights changed (a step, load_state_dict or an in-place write) between "
-                    "model(x) and .backward() on its output; the backward stages would recompute "
-                    "with other weights than the forward used. Call .backward() first"
+                    "the weights changed (a step, load_state_dict, synchronize() or an in-place "
+                    "write) between model(x) and .backward() on its output; the backward stages "
+                    "would recompute with other weights than the forward used. Call .backward() "
+                    "first"
                 )
             self._begin(session)
             call.loss_scale = self._loss_scale()  # the user scaled the loss just before
             call.returned = False
+            call.backward_done = True
             for m, grads in enumerate(grads_per_microbatch):
                 call.mailbox.post(("grad", self.num_layers, m), Handoff(Slot(grads), None))
             session.issue_more(call, call.schedule.backward_jobs)
@@ -324,8 +334,13 @@ class RoundPipe(nn.Module):
         """Load into the wrapped model; the masters follow and the next call uses it."""
         with self._session.enter("load_state_dict") as session:
             self.synchronize()
-            result = self.model.load_state_dict(state_dict, strict=strict, assign=assign)
-            session.adopt_external_writes(force=True)
+            if assign:
+                raise ValueError(
+                    "load_state_dict(assign=True) would replace the parameter tensors RoundPipe "
+                    "tracks; load without assign (the values are copied in)"
+                )
+            result = self.model.load_state_dict(state_dict, strict=strict)
+            session.adopt_external_writes()
         return result
 
     def _apply(self, fn, recurse: bool = True):
@@ -376,6 +391,7 @@ class RoundPipe(nn.Module):
     def _begin(self, session: Session) -> None:
         """Before new work: a usable session, failures reported, external writes adopted."""
         session.check_open()
+        session.store.check_trainable()
         session.settle()
         if any(entry.externally_modified() for entry in session.store.entries.values()):
             session.adopt_external_writes()
@@ -416,6 +432,7 @@ class RoundPipe(nn.Module):
             loss_scale=self._loss_scale() if loss_fn is not None else None,
             return_outputs=return_outputs,
             owned_buffers=owned,
+            rewrites_before=session.ledger.rewrites,
         )
         self._cursor = schedule.next_device
         session.issue(call)

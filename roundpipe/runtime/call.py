@@ -82,6 +82,10 @@ class Call:
     """Some gradient of this call reached the master copies."""
     discarded_grads: bool = False
     """The call failed after accumulating, and the gradients were discarded."""
+    rewrites_before: int = 0
+    """The session's count of rewrites of the user's tensors when the call started."""
+    backward_done: bool = False
+    """A deferred call's backward was issued (it cannot run twice)."""
     owned_buffers: list = field(default_factory=list)
     """Host copies of the caller's inputs and labels, returned to the pool when done."""
 

@@ -16,6 +16,8 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
+from torch.amp.grad_scaler import OptState
+
 from ..errors import failure_site, locate
 from .call import Call
 from .params import ParameterStore
@@ -98,17 +100,28 @@ class OptimizerThread:
                 for call in failed:
                     call.discarded_grads = True
             return None
+        scale = None
         try:
             with failure_site(f"optimizer step {task.version} (step_fn)"):
                 if self.grad_scaler is not None:
                     # Gradients are kept unscaled (each call may have used another
                     # scale); scale them by the scaler's current value so its
                     # unscale_ and inf checks inside step_fn see what they expect.
-                    self.store.scale_grads(float(self.grad_scaler.get_scale()))
+                    scale = float(self.grad_scaler.get_scale())
+                    self.store.scale_grads(scale)
                 task.step_fn()
         except BaseException as exc:  # noqa: BLE001 - reported to the caller
+            if scale is not None and not _unscaled_by(self.grad_scaler):
+                self.store.scale_grads(1.0 / scale)  # the kept gradients stay unscaled
             return exc
         return None
+
+
+def _unscaled_by(grad_scaler) -> bool:
+    """Whether a failed ``step_fn`` got as far as the scaler's ``unscale_`` (then the
+    gradients are unscaled already). Reads the scaler's per-optimizer stage."""
+    states = getattr(grad_scaler, "_per_optimizer_states", {})
+    return any(state.get("stage", OptState.READY) != OptState.READY for state in states.values())
 
 
 def _loop(tasks: queue.SimpleQueue, run: Callable[[StepTask], None]) -> None:

@@ -83,6 +83,17 @@ class ParameterStore:
             if entry.master is not None:
                 yield entry.name, entry.master
 
+    def check_trainable(self) -> None:
+        """Refuse parameters frozen or unfrozen after wrapping: masters, gradient traffic
+        and uploads were set up for ``requires_grad`` as it was then."""
+        for entry in self.entries.values():
+            if entry.param.requires_grad != entry.trainable:
+                now = "frozen" if entry.trainable else "unfrozen"
+                raise RuntimeError(
+                    f"parameter {entry.name} was {now} after the model was wrapped in "
+                    "RoundPipe; set requires_grad before wrapping it"
+                )
+
     def trainable(self, uid: int) -> bool:
         return self.entries[uid].trainable
 

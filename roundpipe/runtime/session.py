@@ -55,6 +55,9 @@ class _Ledger:
     steps: tuple[StepTask, ...] = ()
     versions: VersionState = VersionState()
     next_seq: int = 0
+    rewrites: int = 0
+    """How often the user's tensors were rewritten with nothing in flight (adoption,
+    ``make_current``): a deferred backward must recompute with what its forward read."""
 
 
 class Session:
@@ -237,18 +240,19 @@ class Session:
 
     # -- lifetime ----------------------------------------------------------------------------
 
-    def adopt_external_writes(self, force: bool = False) -> None:
+    def adopt_external_writes(self) -> None:
         """With everything drained: the masters take what the user wrote into the model."""
         error = self.recover(None)
-        state = self.versions.adopt_external_writes(self.ledger.versions, force)
-        self.ledger = replace(self.ledger, versions=state)
+        self.make_current()
         self.fail_if(error)
 
     def make_current(self) -> None:
         """With everything drained: the user's tensors show the newest weights (writes
         the user made into them are adopted instead), and the next call reads them."""
-        state = self.versions.adopt_external_writes(self.ledger.versions)
-        self.ledger = replace(self.ledger, versions=state)
+        ledger = self.ledger
+        rewrites = ledger.rewrites + self.versions.rewrites_needed(ledger.versions)
+        state = self.versions.adopt_external_writes(ledger.versions)
+        self.ledger = replace(ledger, versions=state, rewrites=rewrites)
 
     def close(self) -> BaseException | None:
         """Drain, stop every thread, and return the first unreported failure."""
@@ -257,6 +261,7 @@ class Session:
         error = None
         try:
             error = self.recover(None)
+            self.make_current()  # the wrapped model keeps the newest weights
         except Exception as exc:  # noqa: BLE001 - the threads are stopped regardless
             error = exc
         self.stop_threads()
@@ -270,9 +275,6 @@ class Session:
             self.pool.close()
         self.closed = True
         _live_sessions().discard(self)
-
-    def owns_thread(self, thread: threading.Thread) -> bool:
-        return thread.name.startswith("roundpipe-") and not self.closed
 
 
 class _Driving:
@@ -297,6 +299,12 @@ class _Driving:
             raise RuntimeError(
                 f"{self.what} was called from inside a step_fn (the optimizer thread), "
                 "where it would wait for the step itself; call it after step() instead"
+            )
+        if threading.current_thread().name.startswith("roundpipe-"):
+            raise RuntimeError(
+                f"{self.what} was called from a roundpipe thread (inside a layer, loss_fn "
+                "or hook that runs as part of a call), where it would wait for its own "
+                "work; drive the model from your own thread"
             )
         self.deferring = interrupts.defer()  # first: no Ctrl-C between claim and release
         try:
@@ -371,7 +379,12 @@ def _stop_all_at_exit() -> None:
     stopper = threading.Thread(
         target=lambda: [shutdown(s) for s in sessions], name="roundpipe-exit", daemon=True
     )
-    stopper.start()
+    try:
+        stopper.start()
+    except RuntimeError:  # Python 3.12+: no new threads at interpreter exit
+        for session in sessions:
+            shutdown(session)
+        return
     stopper.join(EXIT_DRAIN_LIMIT_S)
     if stopper.is_alive():
         print(
@@ -387,6 +400,7 @@ def shutdown(session: Session) -> None:
         return
     with contextlib.suppress(BaseException):  # nobody is left to report to
         session.recover(None)
+        session.make_current()
     session.stop_threads()
 
 
@@ -400,7 +414,9 @@ def finalize_unclosed(session: Session) -> None:
         ResourceWarning,
         stacklevel=2,
     )
-    if session.owns_thread(threading.current_thread()):
-        threading.Thread(target=shutdown, args=(session,), name="roundpipe-finalizer").start()
-    else:
+    # Draining may take a while: never on whichever thread the garbage collector ran.
+    stopper = threading.Thread(target=shutdown, args=(session,), name="roundpipe-finalizer")
+    try:
+        stopper.start()
+    except RuntimeError:  # at interpreter exit, no new threads
         shutdown(session)

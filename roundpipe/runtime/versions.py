@@ -118,10 +118,17 @@ class WeightVersions:
                     entry.mark_seen()
         return state.settled_home()
 
-    def adopt_external_writes(self, state: VersionState, force: bool = False) -> VersionState:
+    def rewrites_needed(self, state: VersionState) -> bool:
+        """Whether :meth:`adopt_external_writes` would change what the user's tensors hold
+        (or what the masters hold) for some parameter."""
+        return state.home_of(state.newest) == SPARE or any(
+            entry.externally_modified() for entry in self.store.entries.values()
+        )
+
+    def adopt_external_writes(self, state: VersionState) -> VersionState:
         """Make the user's tensors current, then take over what the user wrote into them:
         the masters follow, and the next call reads the written weights."""
-        modified = [e for e in self.store.entries.values() if force or e.externally_modified()]
+        modified = [e for e in self.store.entries.values() if e.externally_modified()]
         settled = self.make_current(state)
         with torch.no_grad():
             for entry in modified:
