@@ -26,17 +26,14 @@ from .microbatch import merge_outputs
 from .plan import Plan
 from .runtime import optimizer_guard
 from .runtime.call import AutocastState, Call
-from .runtime.deferred import attach_backward
-from .runtime.inputs import HostBufferPool, own_and_split
+from .runtime.deferred import attach_backward, check_backward_allowed
+from .runtime.inputs import own_and_split
 from .runtime.layers import sequential_layers
-from .runtime.optimizer import OptimizerThread
-from .runtime.params import ParameterStore
+from .runtime.lifetime import finalize_unclosed
 from .runtime.planner import AutoPlanner
 from .runtime.profiler import LayerProfiler
-from .runtime.session import Session, finalize_unclosed
-from .runtime.sync import Handoff, VersionGate, wait_future
-from .runtime.versions import HOME, WeightVersions
-from .runtime.worker import DeviceWorker
+from .runtime.session import Session
+from .runtime.sync import Handoff, wait_future
 from .schedule import Schedule, lower, lower_unfused
 from .timeline import Timeline
 
@@ -79,33 +76,22 @@ class RoundPipe(nn.Module):
         self.run_config = model_run_config or RoundPipeRunConfig()
         self.pool = make_pool(devices, emulated_options)
         self._layers = layers
-        names: dict[int, str] = {}
-        for name, param in model.named_parameters(remove_duplicate=False):
-            names.setdefault(id(param), name)
-        pin = functools.partial(self.pool.pin, mode=pin_model)
-        store = ParameterStore(layers, names, optim_dtype, pin=pin)
-        versions = WeightVersions(store, pin)
-        buffer_gates = {layer.index: VersionGate(0) for layer in layers if layer.buffer_uids}
         self.profiler = LayerProfiler.for_modules([layer.module for layer in layers])
-        workers = [
-            DeviceWorker(device, layers, store, versions, buffer_gates, self.profiler)
-            for device in self.pool
-        ]
         self.grad_scaler = grad_scaler
-        input_pin = functools.partial(self.pool.pin, mode="off" if pin_model == "off" else "alloc")
-        self._session = Session(
+        self._session = Session.build(
+            model,
+            layers,
             self.pool,
             not isinstance(devices, DevicePool),
-            store,
-            versions,
-            workers,
-            OptimizerThread(store, versions, grad_scaler),
-            HostBufferPool(input_pin),
+            optim_dtype,
+            pin_model,
+            grad_scaler,
+            self.profiler,
         )
         # Stops the threads of a model collected without close(); holds no reference to it.
         self._finalizer = weakref.finalize(self, finalize_unclosed, self._session)
         self._finalizer.atexit = False  # the session's own exit hook drains first
-        optimizer_guard.watch(store)
+        optimizer_guard.watch(self._session.store)
         capacities = [device.memory_capacity() for device in self.pool]
         self.planner = AutoPlanner(self.profiler, None if None in capacities else capacities)
         self._cursor = 0
@@ -263,24 +249,7 @@ class RoundPipe(nn.Module):
     def _backward_call(self, call: Call, grads_per_microbatch: list[list]) -> None:
         """Post the output gradients, run the call's backward jobs and wait for them."""
         with self._session.enter("backward") as session:
-            if call.backward_done:
-                raise RuntimeError(
-                    "backward through the output of this model(x) call ran already; the "
-                    "pipeline keeps no graph for a second one (retain_graph is not supported)"
-                )
-            ledger = session.ledger
-            rewritten = call.weights_buffer == HOME and ledger.rewrites != call.rewrites_before
-            if (
-                ledger.versions.newest != call.steps_before
-                or rewritten
-                or any(entry.externally_modified() for entry in session.store.entries.values())
-            ):
-                raise RuntimeError(
-                    "the weights changed (a step, load_state_dict, synchronize() or an in-place "
-                    "write) between model(x) and .backward() on its output; the backward stages "
-                    "would recompute with other weights than the forward used. Call .backward() "
-                    "first"
-                )
+            check_backward_allowed(call, session)
             self._begin(session)
             call.loss_scale = self._loss_scale()  # the user scaled the loss just before
             call.returned = False

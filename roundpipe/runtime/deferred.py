@@ -12,6 +12,10 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from .call import Call
+from .session import Session
+from .versions import HOME
+
 
 class _PipelineBackward(torch.autograd.Function):
     """Connects a pipelined forward's outputs to autograd; its backward runs the pipeline's."""
@@ -25,6 +29,26 @@ class _PipelineBackward(torch.autograd.Function):
     def backward(ctx, *grads: torch.Tensor):
         ctx.run_backward(grads)
         return None, None, None
+
+
+def check_backward_allowed(call: Call, session: Session) -> None:
+    """Refuse a backward that PyTorch would refuse too: a second one through the same
+    output, or one after the weights its forward read were changed."""
+    if call.backward_done:
+        raise RuntimeError(
+            "backward through the output of this model(x) call ran already; the "
+            "pipeline keeps no graph for a second one (retain_graph is not supported)"
+        )
+    ledger = session.ledger
+    rewritten = call.weights_buffer == HOME and ledger.rewrites != call.rewrites_before
+    written = any(entry.externally_modified() for entry in session.store.entries.values())
+    if ledger.versions.newest != call.steps_before or rewritten or written:
+        raise RuntimeError(
+            "the weights changed (a step, load_state_dict, synchronize() or an in-place "
+            "write) between model(x) and .backward() on its output; the backward stages "
+            "would recompute with other weights than the forward used. Call .backward() "
+            "first"
+        )
 
 
 def attach_backward(merged: Any, outputs: list[Any], run_backward) -> Any:

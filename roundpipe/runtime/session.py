@@ -20,25 +20,26 @@ Failure rules (one place, wherever an error surfaces):
 
 from __future__ import annotations
 
-import atexit
-import contextlib
-import sys
+import functools
 import threading
-import warnings
-import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any, NoReturn
 
+import torch
+from torch import nn
+
 from ..devices import DevicePool
 from ..errors import RoundPipeError
 from ..schedule import Job
-from . import interrupts
+from . import interrupts, lifetime
 from .call import Call
 from .inputs import HostBufferPool
+from .layers import LayerBinding
 from .optimizer import OptimizerThread, StepTask
 from .params import ParameterStore
-from .sync import wait_future
+from .profiler import LayerProfiler
+from .sync import VersionGate, wait_future
 from .versions import VersionState, WeightVersions
 from .worker import DeviceWorker
 
@@ -84,7 +85,35 @@ class Session:
         self.closed = False
         self.driver: dict[str, Any] = {}
         """The thread inside a public method (``"thread"``) and how deeply (``"depth"``)."""
-        _live_sessions().add(self)
+        lifetime.live_sessions().add(self)
+
+    @classmethod
+    def build(
+        cls,
+        model: nn.Module,
+        layers: list[LayerBinding],
+        pool: DevicePool,
+        owns_pool: bool,
+        optim_dtype: torch.dtype | None,
+        pin_model: str,
+        grad_scaler,
+        profiler: LayerProfiler,
+    ) -> Session:
+        """The host state and threads (not started yet) of a model wrapped on ``pool``."""
+        names: dict[int, str] = {}
+        for name, param in model.named_parameters(remove_duplicate=False):
+            names.setdefault(id(param), name)
+        pin = functools.partial(pool.pin, mode=pin_model)
+        store = ParameterStore(layers, names, optim_dtype, pin=pin)
+        versions = WeightVersions(store, pin)
+        buffer_gates = {layer.index: VersionGate(0) for layer in layers if layer.buffer_uids}
+        workers = [
+            DeviceWorker(device, layers, store, versions, buffer_gates, profiler) for device in pool
+        ]
+        input_pin = functools.partial(pool.pin, mode="off" if pin_model == "off" else "alloc")
+        optimizer = OptimizerThread(store, versions, grad_scaler)
+        inputs = HostBufferPool(input_pin)
+        return cls(pool, owns_pool, store, versions, workers, optimizer, inputs)
 
     # -- who may drive the model ---------------------------------------------------------
 
@@ -274,7 +303,7 @@ class Session:
         if self.owns_pool:
             self.pool.close()
         self.closed = True
-        _live_sessions().discard(self)
+        lifetime.live_sessions().discard(self)
 
 
 class _Driving:
@@ -352,71 +381,3 @@ def _note(error: BaseException, text: str) -> None:
         return
     error.add_note(f"roundpipe: the model is usable again ({text})")
     error.roundpipe_noted = True  # type: ignore[attr-defined]
-
-
-# -- stopping threads of models nobody closed ------------------------------------------------
-
-_sessions: weakref.WeakSet[Session] | None = None
-
-
-def _live_sessions() -> weakref.WeakSet[Session]:
-    """Open sessions, drained and stopped at interpreter exit (registered on first use)."""
-    global _sessions
-    if _sessions is None:
-        _sessions = weakref.WeakSet()
-        atexit.register(_stop_all_at_exit)
-    return _sessions
-
-
-EXIT_DRAIN_LIMIT_S = 120.0
-"""At interpreter exit, how long to wait for open models' work before giving up."""
-
-
-def _stop_all_at_exit() -> None:
-    sessions = list(_sessions or ())
-    if not sessions:
-        return
-    stopper = threading.Thread(
-        target=lambda: [shutdown(s) for s in sessions], name="roundpipe-exit", daemon=True
-    )
-    try:
-        stopper.start()
-    except RuntimeError:  # Python 3.12+: no new threads at interpreter exit
-        for session in sessions:
-            shutdown(session)
-        return
-    stopper.join(EXIT_DRAIN_LIMIT_S)
-    if stopper.is_alive():
-        print(
-            f"roundpipe: work in flight did not finish within {EXIT_DRAIN_LIMIT_S:.0f} s of "
-            "exit; leaving it unfinished",
-            file=sys.stderr,
-        )
-
-
-def shutdown(session: Session) -> None:
-    """Drain and stop a session nobody closed, swallowing its errors (exit or GC)."""
-    if session.closed:
-        return
-    with contextlib.suppress(BaseException):  # nobody is left to report to
-        session.recover(None)
-        session.make_current()
-    session.stop_threads()
-
-
-def finalize_unclosed(session: Session) -> None:
-    """Called when a model is garbage-collected: stop its threads, with a warning."""
-    if session.closed:
-        return
-    warnings.warn(
-        "a RoundPipe model was garbage-collected without close(); its threads were "
-        "stopped now (use `with RoundPipe(...) as model:` or call model.close())",
-        ResourceWarning,
-        stacklevel=2,
-    )
-    # Draining may take a while: never on whichever thread the garbage collector ran.
-    stopper = threading.Thread(target=shutdown, args=(session,), name="roundpipe-finalizer")
-    try:
-        stopper.start()
-    except RuntimeError:  # at interpreter exit, no new threads
-        shutdown(session)
