@@ -1,11 +1,15 @@
 #!/usr/bin/env bash
 # The prepared GPU check: CUDA tests against PyTorch, then a short throughput probe.
-# Run on a machine with an NVIDIA GPU:  bench/gpu_check.sh
+# Run on a machine with an NVIDIA GPU and torch, pytest, hypothesis preinstalled:
+#   bench/gpu_check.sh
+# It installs nothing (the GPU machines reach no network): the repository is put on
+# PYTHONPATH instead.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-python3 -m pip install --quiet -e ".[dev]" 2>/dev/null || python3 -m pip install --quiet pytest -e .
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 nvidia-smi --query-gpu=name,memory.total --format=csv
-python3 -m pytest -q -m cuda tests/test_cuda.py -p no:cacheprovider -o addopts=""
+python3 -c "import sys, torch; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda)"
+timeout 420 python3 -m pytest -q -m cuda tests/test_cuda.py -p no:cacheprovider -o addopts=""
 status=$?
-timeout 300 python3 bench/gpu_probe.py --devices cuda:0,0,0 --steps 12
+timeout 120 python3 bench/gpu_probe.py --devices cuda:0,0,0 --steps 12
 exit $status
