@@ -187,9 +187,7 @@ class RoundPipe(nn.Module):
         and the next call uses the newest weights."""
         with self._session.enter("synchronize") as session:
             session.check_open()
-            error = session.recover(None)
-            session.make_current()
-            session.fail_if(error)
+            session.synchronize()
 
     # -- timelines ------------------------------------------------------------------------
 
@@ -309,7 +307,7 @@ class RoundPipe(nn.Module):
                     "tracks; load without assign (the values are copied in)"
                 )
             result = self.model.load_state_dict(state_dict, strict=strict)
-            session.adopt_external_writes()
+            session.synchronize()  # adopts what was written
         return result
 
     def _apply(self, fn, recurse: bool = True):
@@ -363,7 +361,7 @@ class RoundPipe(nn.Module):
         session.store.check_trainable()
         session.settle()
         if any(entry.externally_modified() for entry in session.store.entries.values()):
-            session.adopt_external_writes()
+            session.synchronize()  # adopts what the user wrote
         session.store.ensure_masters()
 
     def _microbatch_count(self, config: RoundPipeRunConfig) -> int:

@@ -269,8 +269,8 @@ class Session:
 
     # -- lifetime ----------------------------------------------------------------------------
 
-    def adopt_external_writes(self) -> None:
-        """With everything drained: the masters take what the user wrote into the model."""
+    def synchronize(self) -> None:
+        """Drain everything, then :meth:`make_current`; raise a failure found meanwhile."""
         error = self.recover(None)
         self.make_current()
         self.fail_if(error)
@@ -279,9 +279,8 @@ class Session:
         """With everything drained: the user's tensors show the newest weights (writes
         the user made into them are adopted instead), and the next call reads them."""
         ledger = self.ledger
-        rewrites = ledger.rewrites + self.versions.rewrites_needed(ledger.versions)
-        state = self.versions.adopt_external_writes(ledger.versions)
-        self.ledger = replace(ledger, versions=state, rewrites=rewrites)
+        state, rewritten = self.versions.make_current(ledger.versions)
+        self.ledger = replace(ledger, versions=state, rewrites=ledger.rewrites + rewritten)
 
     def close(self) -> BaseException | None:
         """Drain, stop every thread, and return the first unreported failure."""

@@ -12,13 +12,14 @@ parity rule.
   issued before step ``k``) finished before the step ran.
 - Synchronous step ``k`` and :meth:`WeightVersions.make_current`: the next call
   reads the newest version.
-- External writes (``load_state_dict``, in-place writes) are adopted with nothing in
-  flight: the masters take the written values and the next call reads them.
+- External writes (``load_state_dict``, in-place writes) are adopted by
+  :meth:`WeightVersions.make_current`, with nothing in flight: the masters take the
+  written values and the next call reads them.
 
 The caller-side state is an immutable :class:`VersionState` held by the session,
 which replaces it with one assignment, so an interrupt never leaves it half-changed.
 The buffers themselves are written by the optimizer thread (:meth:`publish`) or with
-nothing in flight (:meth:`make_current`, :meth:`adopt_external_writes`).
+nothing in flight (:meth:`make_current`).
 """
 
 from __future__ import annotations
@@ -103,38 +104,27 @@ class WeightVersions:
 
     # -- with nothing in flight ----------------------------------------------------------
 
-    def make_current(self, state: VersionState) -> VersionState:
-        """Copy the newest version into the user's tensors (and ``.grad``); return the
-        state in which the next call reads it from there."""
-        home = state.home_of(state.newest)
+    def make_current(self, state: VersionState) -> tuple[VersionState, bool]:
+        """The user's tensors show the newest version (and ``.grad``), except those the
+        user wrote into, whose values the masters take over; the next call reads them.
+
+        Returns that state, and whether any user tensor or master was rewritten.
+        """
+        moved = state.home_of(state.newest) == SPARE
+        rewritten = moved
         with torch.no_grad():
             for uid, entry in self.store.entries.items():
-                if entry.master is None:
-                    continue
-                if home == SPARE and not entry.externally_modified():
+                if entry.externally_modified():
+                    _adopt(entry, self._pin)
+                    rewritten = True
+                elif moved and entry.master is not None:
                     entry.param.data.copy_(self._spare(uid))
-                entry.show_grad()
-                if not entry.externally_modified():
-                    entry.mark_seen()
-        return state.settled_home()
-
-    def rewrites_needed(self, state: VersionState) -> bool:
-        """Whether :meth:`adopt_external_writes` would change what the user's tensors hold
-        (or what the masters hold) for some parameter."""
-        return state.home_of(state.newest) == SPARE or any(
-            entry.externally_modified() for entry in self.store.entries.values()
-        )
-
-    def adopt_external_writes(self, state: VersionState) -> VersionState:
-        """Make the user's tensors current, then take over what the user wrote into them:
-        the masters follow, and the next call reads the written weights."""
-        modified = [e for e in self.store.entries.values() if e.externally_modified()]
-        settled = self.make_current(state)
-        with torch.no_grad():
-            for entry in modified:
-                _adopt(entry, self._pin)
+                if entry.master is not None:
+                    entry.show_grad()
+                entry.mark_seen()
+        settled = state.settled_home()
         self.published.advance_to(settled.newest)
-        return settled
+        return settled, rewritten
 
     def republish(self, state: VersionState) -> None:
         """After a failed publish: rewrite the newest version from the masters."""
