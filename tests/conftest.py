@@ -54,6 +54,18 @@ def no_hang() -> Callable[..., Any]:
 
 
 @pytest.fixture
+def error_of(no_hang) -> Callable[..., BaseException]:
+    """``error_of(fn, *args, **kwargs)``: the exception ``fn`` raises (fails if none, or a hang)."""
+
+    def run(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> BaseException:
+        with pytest.raises(Exception) as caught:
+            no_hang(fn, *args, **kwargs)
+        return caught.value
+
+    return run
+
+
+@pytest.fixture
 def wrap(no_hang) -> Iterator[Callable[..., tuple[RoundPipe, nn.Module]]]:
     """``wrap(module, **options)`` -> ``(RoundPipe(module, ...), untouched copy of module)``.
 

@@ -111,18 +111,6 @@ def faulty(wrap):
     return build
 
 
-@pytest.fixture
-def error_of(no_hang):
-    """``error_of(fn, *args, **kwargs)``: the exception ``fn`` raises (fails if none, or a hang)."""
-
-    def run(fn, *args, **kwargs) -> Exception:
-        with pytest.raises(Exception) as caught:
-            no_hang(fn, *args, **kwargs)
-        return caught.value
-
-    return run
-
-
 def assert_reports(error: BaseException, kind: type[BaseException], *where: str) -> None:
     """``error`` is (or chains) a ``kind`` and its message matches every regex in ``where``."""
     assert isinstance(error, kind) or isinstance(error.__cause__, kind), (

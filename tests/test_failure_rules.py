@@ -54,18 +54,6 @@ def train_call(model: RoundPipe, seed: int) -> torch.Tensor:
     return model.forward_backward((x,), label=y, loss_fn=mse_sum)
 
 
-@pytest.fixture
-def error_of(no_hang) -> Callable[..., BaseException]:
-    """``error_of(fn, *args, **kwargs)``: the exception ``fn`` raises (fails if none, or a hang)."""
-
-    def run(fn, *args, **kwargs) -> BaseException:
-        with pytest.raises(Exception) as caught:
-            no_hang(fn, *args, **kwargs)
-        return caught.value
-
-    return run
-
-
 def notes(error: BaseException) -> str:
     return " ".join(getattr(error, "__notes__", []))
 

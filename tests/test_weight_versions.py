@@ -293,16 +293,6 @@ def fail_step_asynchronously(model: RoundPipe, step: FailingStep, error_of) -> B
 
 
 @pytest.fixture
-def error_of(no_hang) -> Callable[..., BaseException]:
-    def run(fn, *args, **kwargs) -> BaseException:
-        with pytest.raises(Exception) as caught:
-            no_hang(fn, *args, **kwargs)
-        return caught.value
-
-    return run
-
-
-@pytest.fixture
 def failed_bf16_step(wrap, no_hang, error_of):
     """``failed_bf16_step(fail)``: a bf16 model after one good step, one call, a failed step."""
 
