@@ -24,13 +24,12 @@ import random
 import select
 import signal
 import subprocess
-import sys
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import pytest
-from children.harness import CHILDREN, child_env
+from children.harness import CHILDREN, finish_child, start_child
 
 METHODS = [
     "forward_backward",
@@ -71,22 +70,8 @@ class ChildRun:
 
 
 def run_child(what: str, args: list[str], limit_s: float) -> ChildRun:
-    proc = subprocess.Popen(
-        [sys.executable, *args],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        stdin=subprocess.DEVNULL,
-        text=True,
-        env=child_env(),
-        cwd=os.path.dirname(CHILDREN),
-    )
-    note = ""
-    try:
-        stdout, stderr = proc.communicate(timeout=limit_s)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        stdout, stderr = proc.communicate()
-        note = f"(killed: no exit within {limit_s:.0f} s)"
+    proc = start_child(args)
+    stdout, stderr, note = finish_child(proc, limit_s)
     return ChildRun(what, proc.returncode, stdout, stderr, note)
 
 
@@ -157,15 +142,7 @@ def sigint_bursts(seed: int) -> ChildRun:
     """Start the child, send it seeded bursts of SIGINTs, tell it to stop, collect its output."""
     rng = random.Random(seed)
     start = time.monotonic()
-    proc = subprocess.Popen(
-        [sys.executable, SIGINT_CHILD, str(seed)],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=child_env(),
-        cwd=os.path.dirname(CHILDREN),
-    )
+    proc = start_child([SIGINT_CHILD, str(seed)], stdin=subprocess.PIPE)
     note = ""
     try:
         if not wait_for_line(proc.stdout, "READY", SIGINT_LIMIT_S / 2):

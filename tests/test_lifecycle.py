@@ -26,8 +26,6 @@ import gc
 import os
 import pickle
 import re
-import subprocess
-import sys
 import threading
 import time
 import warnings
@@ -43,10 +41,11 @@ from children.harness import (
     CHILDREN,
     Hang,
     assert_consistent,
-    child_env,
     exit_at_once_after_a_hang,
+    finish_child,
     run_within,
     sgd_step,
+    start_child,
 )
 from oracle import (
     assert_grads_close,
@@ -129,21 +128,10 @@ class Exit:
 
 
 def run_exit_child(mode: str) -> Exit:
-    proc = subprocess.Popen(
-        [sys.executable, EXIT_CHILD, mode],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        stdin=subprocess.DEVNULL,
-        text=True,
-        env=child_env(),
-        cwd=os.path.dirname(CHILDREN),
-    )
-    try:
-        stdout, stderr = proc.communicate(timeout=EXIT_LIMIT_S)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        stdout, stderr = proc.communicate()
-        stderr += f"\n[killed by the test: no exit within {EXIT_LIMIT_S:.0f} s]"
+    proc = start_child([EXIT_CHILD, mode])
+    stdout, stderr, killed = finish_child(proc, EXIT_LIMIT_S)
+    if killed:
+        stderr += f"\n{killed}"
     return Exit(mode, proc.returncode, stdout, stderr)
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import subprocess
 import sys
 import threading
 import traceback
@@ -180,3 +181,28 @@ def child_env() -> dict[str, str]:
     env["PYTHONPATH"] = os.pathsep.join(paths)
     env["PYTHONFAULTHANDLER"] = "1"
     return env
+
+
+def start_child(args: list[str], stdin: int = subprocess.DEVNULL) -> subprocess.Popen:
+    """Start ``python ARGS`` as a child script (see :func:`child_env`), text pipes."""
+    return subprocess.Popen(
+        [sys.executable, *args],
+        stdin=stdin,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=child_env(),
+        cwd=TESTS,
+    )
+
+
+def finish_child(proc: subprocess.Popen, limit_s: float) -> tuple[str, str, str]:
+    """Wait up to ``limit_s`` for ``proc``, killing it after; -> stdout, stderr, and a
+    note saying it was killed (empty if it exited on its own)."""
+    try:
+        stdout, stderr = proc.communicate(timeout=limit_s)
+        return stdout, stderr, ""
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        stdout, stderr = proc.communicate()
+        return stdout, stderr, f"(killed: no exit within {limit_s:.0f} s)"
