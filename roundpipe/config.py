@@ -31,7 +31,11 @@ class RoundPipeRunConfig:
     - ``weight_chunk_bytes``: weight uploads are cut into chunks of at most this size
       so activation uploads can pass them; ``None`` uploads a stage in one piece.
     - ``prefetch_stages``: how many stages ahead a device uploads weights (1: a device
-      holds at most two stages' weights).
+      holds at most two stages' weights). The host allocates a stage's weights only
+      once the job ``prefetch_stages`` + 1 back on that device has finished.
+    - ``gate_weight_chunks``: a weight chunk enters the device's copy queue only behind
+      the activation uploads pending when it is issued (copy engines are FIFO, so this
+      is what keeps activations ahead of prefetch); ``False`` issues chunks at once.
     """
 
     num_microbatch: int | None = None
@@ -43,6 +47,7 @@ class RoundPipeRunConfig:
     merge_output: MergeOutput | None = None
     weight_chunk_bytes: int | None = 256 * 2**20
     prefetch_stages: int = 1
+    gate_weight_chunks: bool = True
 
     def __post_init__(self) -> None:
         if self.num_microbatch is not None and (
@@ -68,10 +73,9 @@ class RoundPipeRunConfig:
                 "execute_plan must be a Plan, a string like '3,3|2,1,1,1,1,1,1' or None, "
                 f"got {type(self.execute_plan).__name__}"
             )
-        if not isinstance(self.preserve_rng_state, bool):
-            raise TypeError(
-                f"preserve_rng_state must be True or False, got {self.preserve_rng_state!r}"
-            )
+        for name in ("preserve_rng_state", "gate_weight_chunks"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}")
         for name in ("split_input", "split_label", "merge_output"):
             value = getattr(self, name)
             if value is not None and not callable(value):

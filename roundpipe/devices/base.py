@@ -39,7 +39,6 @@ class OpInfo:
     label: str = ""
     nbytes: int = 0
     layers: tuple[int, ...] = ()
-    critical: bool = False  # on the critical path (activations): goes before weight prefetch
     job: int = -1  # index of the schedule job the op belongs to (-1: none)
 
 
@@ -144,6 +143,13 @@ class Device(abc.ABC):
     @abc.abstractmethod
     def empty_like(self, host: torch.Tensor) -> torch.Tensor:
         """Inside an op: uninitialised (contiguous) device memory shaped like ``host``."""
+
+    @abc.abstractmethod
+    def allocate(self, host: torch.Tensor, stream: Stream) -> torch.Tensor:
+        """On the issuing thread, outside any op: uninitialised device memory shaped like
+        ``host`` for work about to be issued on ``stream``. It is taken now, as CUDA's
+        caching allocator takes it when the host asks, whatever the device is running;
+        so the host must not allocate for work further ahead than memory allows."""
 
     @abc.abstractmethod
     def copy_in(self, dst: torch.Tensor, src: torch.Tensor, stream: Stream) -> None:

@@ -39,9 +39,9 @@ from .base import (
     Timer,
 )
 
-# Lower number = higher priority. Critical-path activation uploads go first and
-# weight prefetch fills the gaps (DESIGN.md §4).
-_STREAM_PRIORITY = {"compute": 0, "weight_upload": 0, "act_upload": -1, "download": 0}
+# No stream priorities: copy engines serve copies of one direction in issue order
+# whatever their stream's priority, so the runtime orders transfers itself (it issues
+# weight chunks behind the activation uploads pending at that moment).
 
 
 class _CudaEvent(Event):
@@ -81,7 +81,7 @@ class _CudaStream(Stream):
         self.device = device
         self.name = name
         self.error: BaseException | None = None
-        self.stream = torch.cuda.Stream(device=device.index, priority=_STREAM_PRIORITY[name])
+        self.stream = torch.cuda.Stream(device=device.index)
 
     def submit(self, fn: Callable[[], None], info: OpInfo) -> None:
         if self.error is not None:
@@ -97,7 +97,8 @@ class _CudaStream(Stream):
             pool._record_timing(self.device.index, self.name, info, start, self.stream)
 
     def record(self) -> Event:
-        event = torch.cuda.Event()
+        # blocking: a host waiting on it sleeps instead of spinning against the CPU optimizer
+        event = torch.cuda.Event(blocking=True)
         event.record(self.stream)
         return _CudaEvent(event, self.error)
 
@@ -121,6 +122,12 @@ class CudaDevice(Device):
 
     def empty_like(self, host: torch.Tensor) -> torch.Tensor:
         return torch.empty(host.shape, dtype=host.dtype, device=self.torch_device)
+
+    def allocate(self, host: torch.Tensor, stream: Stream) -> torch.Tensor:
+        assert isinstance(stream, _CudaStream)
+        # the caching allocator files the block under the current stream
+        with torch.cuda.device(self.index), torch.cuda.stream(stream.stream):
+            return torch.empty(host.shape, dtype=host.dtype, device=self.torch_device)
 
     def copy_in(self, dst: torch.Tensor, src: torch.Tensor, stream: Stream) -> None:
         dst.copy_(src, non_blocking=True)

@@ -1,30 +1,34 @@
-"""N virtual devices inside one process, on the CPU (DESIGN.md §9).
+"""N virtual devices inside one process, on the CPU (DESIGN.md §5).
 
 Each stream is an ordered queue run by its own thread; events are recorded on one
-stream and waited on by others exactly as CUDA does; device tensors are separate
-storage accounted against a per-device capacity, so an over-budget stage raises
-``torch.OutOfMemoryError``. Optional models: host↔device bandwidth (one link per
-direction per device, shared by that direction's streams, activation uploads served
-before weight uploads), kernel time per op, and *jitter* (a random delay before
-every op) so that a missing event wait shows up as a wrong result.
+stream and waited on by others exactly as CUDA does. Where it matters the emulator
+is never kinder than a GPU:
 
-Threads start on first use, never at import.
+- device memory is taken when the host allocates it, as CUDA's caching allocator
+  does, checked against a per-device capacity (``torch.OutOfMemoryError``), handed
+  out poisoned, and reusable by other streams only after the work recorded on them
+  has run (:mod:`.emulated_memory`);
+- transfers go through one FIFO copy engine per direction per device and a host
+  memory bus shared by all devices; there are no transfer priorities
+  (:mod:`.emulated_link`).
+
+Optional models: link and host bandwidth, kernel time per op, and *jitter* (a
+random delay before every op) so that a missing event wait shows up as a wrong
+result. Threads start on first use, never at import.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
-import queue
 import random
 import threading
 import time
-import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from ..errors import format_bytes
 from .base import (
     RANDOM_KINDS,
     STREAM_NAMES,
@@ -36,6 +40,8 @@ from .base import (
     Stream,
     Timer,
 )
+from .emulated_link import CopyEngine, HostBus, Tickets
+from .emulated_memory import DeviceMemory
 
 # The CPU generator is one per process, so is the lock that makes "capture RNG
 # state, then draw from it" atomic across emulated devices (and across pools).
@@ -50,8 +56,11 @@ class EmulatedOptions:
     """Device memory per device (one number for all, or one per device, so pools of
     different sizes can be modelled); ``None`` is unlimited."""
     h2d_gbps: float | None = None
-    """Host→device bandwidth per device in GB/s; ``None`` transfers instantly."""
+    """Host→device bandwidth per device in GB/s (one FIFO copy engine); ``None`` is
+    instant."""
     d2h_gbps: float | None = None
+    host_gbps: float | None = None
+    """Host-memory bandwidth shared by the copies of all devices; ``None`` is unlimited."""
     kernel_time: Callable[[OpInfo], float] | None = None
     """Modelled seconds of a layer's kernels: called with ``OpInfo(kind, layers=...)``
     for each layer's forward (kind "forward" or "recompute") and each stage's
@@ -59,36 +68,18 @@ class EmulatedOptions:
     jitter_s: float = 0.0
     """Upper bound of a random delay inserted before every stream op."""
     seed: int = 0
-    prioritize_activations: bool = True
-    """Activation uploads take the host→device link before queued weight uploads."""
+    poison_memory: bool = True
+    """Fill every block handed out with NaN (all bits set for integers)."""
 
 
-class _Link:
-    """One direction of a PCIe link: one transfer at a time, critical ones first."""
+class _RunningOp(threading.local):
+    """Per stream thread: the stream it runs and the ticket of the op running now."""
 
-    def __init__(self, gbps: float | None, prioritize: bool) -> None:
-        self._seconds_per_byte = 1.0 / (gbps * 1e9) if gbps else 0.0
-        self._prioritize = prioritize
-        self._cond = threading.Condition()
-        self._busy = False
-        self._critical_waiting = 0
+    stream: _EmulatedStream | None = None
+    ticket: int = -1
 
-    def transfer(self, nbytes: int, critical: bool) -> None:
-        if not self._seconds_per_byte:
-            return
-        critical = critical and self._prioritize
-        with self._cond:
-            self._critical_waiting += critical
-            while self._busy or (not critical and self._critical_waiting):
-                self._cond.wait()
-            self._critical_waiting -= critical
-            self._busy = True
-        try:
-            time.sleep(nbytes * self._seconds_per_byte)
-        finally:
-            with self._cond:
-                self._busy = False
-                self._cond.notify_all()
+
+_RUNNING = _RunningOp()
 
 
 class _ModelledTime(threading.local):
@@ -147,7 +138,10 @@ class _EmulatedStream(Stream):
         self.device = device
         self.name = name
         self.error: BaseException | None = None
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self.engine: CopyEngine | None = None  # the copy engine its ops use, if any
+        self._items: collections.deque = collections.deque()
+        # reentrant: a tensor freed while the lock is held may record an event here
+        self._cond = threading.Condition(threading.RLock())
         self._thread: threading.Thread | None = None
         self._start_lock = threading.Lock()
         self._rng = random.Random(seed)
@@ -163,44 +157,71 @@ class _EmulatedStream(Stream):
                     )
                     self._thread.start()
 
-    def submit(self, fn: Callable[[], None], info: OpInfo) -> None:
+    def _put(self, item) -> None:
         self._ensure_thread()
-        self._queue.put(("run", fn, info))
+        with self._cond:
+            self._items.append(item)
+            self._cond.notify()
+
+    def _take(self):
+        with self._cond:
+            while not self._items:
+                self._cond.wait()
+            return self._items.popleft()
+
+    def _next_ready_ticket(self) -> int | None:
+        """The ticket of the next op if nothing unfinished stands before it."""
+        with self._cond:
+            for item in self._items:
+                if item is _STOP:
+                    return None
+                op, payload, issued = item
+                if op == "run":
+                    return issued[1]
+                if op == "wait" and not payload.query():
+                    return None
+        return None
+
+    def submit(self, fn: Callable[[], None], info: OpInfo) -> None:
+        self._put(("run", fn, (info, self.device.pool.tickets.next())))
 
     def record(self) -> Event:
         event = _EmulatedEvent()
-        self._ensure_thread()
-        self._queue.put(("record", event, None))
+        self._put(("record", event, None))
         return event
 
     def wait(self, event: Event) -> None:
         if not isinstance(event, _EmulatedEvent):
             raise TypeError(f"an emulated stream cannot wait on {type(event).__name__}")
-        self._ensure_thread()
-        self._queue.put(("wait", event, None))
+        self._put(("wait", event, None))
 
     def stop(self) -> None:
         if self._thread is not None:
-            self._queue.put(_STOP)
+            self._put(_STOP)
             self._thread.join()
             self._thread = None
 
     def _run(self) -> None:
+        _RUNNING.stream = self
         while True:
-            item = self._queue.get()
+            item = self._take()
             if item is _STOP:
                 return
-            op, payload, info = item
+            op, payload, issued = item
             if op == "record":
                 payload._complete(self.error)
             elif op == "wait":
                 payload.wait_done()
                 if payload.error is not None and self.error is None:
                     self.error = payload.error
-            elif self.error is None:
-                self._run_op(payload, info)
+            else:
+                if self.error is None:
+                    self._run_op(payload, issued[0], issued[1])
+                if self.engine is not None:
+                    self.engine.op_finished(issued[1], self._next_ready_ticket())
 
-    def _run_op(self, fn: Callable[[], None], info: OpInfo) -> None:
+    def _run_op(self, fn: Callable[[], None], info: OpInfo, ticket: int) -> None:
+        _RUNNING.ticket = ticket
         options = self.device.options
         if options.jitter_s:
             time.sleep(self._rng.uniform(0.0, options.jitter_s))
@@ -209,6 +230,8 @@ class _EmulatedStream(Stream):
             fn()
         except BaseException as exc:  # noqa: BLE001 - sticky, reported through events
             self.error = exc
+        finally:
+            _RUNNING.ticket = -1
         # Modelled kernel time is slept here, after the op released any lock it held.
         modelled = self.device.modelled
         owed, modelled.pending = modelled.pending, 0.0
@@ -228,53 +251,37 @@ class EmulatedDevice(Device):
             for i, name in enumerate(STREAM_NAMES)
         }
         self.modelled = _ModelledTime()
-        self._h2d = _Link(options.h2d_gbps, options.prioritize_activations)
-        self._d2h = _Link(options.d2h_gbps, False)
-        self._mem_lock = threading.Lock()
-        self._allocated = 0
-        self._peak = 0
-        self._resident: weakref.WeakValueDictionary[int, torch.Tensor] = (
-            weakref.WeakValueDictionary()
+        self.h2d = CopyEngine(options.h2d_gbps, pool.host_bus)
+        self.d2h = CopyEngine(options.d2h_gbps, pool.host_bus)
+        for name, engine in (("weight_upload", self.h2d), ("act_upload", self.h2d)):
+            self.streams[name].engine = engine
+        self.streams["download"].engine = self.d2h
+        self.memory = DeviceMemory(
+            index, self.memory_capacity(), options.poison_memory, lambda: _RUNNING.stream
         )
 
     def __repr__(self) -> str:
         return f"emulated:{self.index}"
 
     def empty_like(self, host: torch.Tensor) -> torch.Tensor:
-        nbytes = host.numel() * host.element_size()
-        capacity = self.memory_capacity()
-        with self._mem_lock:
-            if capacity is not None and self._allocated + nbytes > capacity:
-                raise torch.OutOfMemoryError(
-                    f"emulated device {self.index} is out of memory: allocating "
-                    f"{format_bytes(nbytes)} with {format_bytes(self._allocated)} in use "
-                    f"exceeds its capacity of {format_bytes(capacity)}"
-                )
-            self._allocated += nbytes
-            self._peak = max(self._peak, self._allocated)
-        tensor = torch.empty_like(host, memory_format=torch.contiguous_format)
-        self._resident[id(tensor)] = tensor
-        weakref.finalize(tensor, self._release, nbytes)
-        return tensor
+        return self.memory.allocate(host, _RUNNING.stream)
 
-    def _release(self, nbytes: int) -> None:
-        with self._mem_lock:
-            self._allocated -= nbytes
+    def allocate(self, host: torch.Tensor, stream: Stream) -> torch.Tensor:
+        return self.memory.allocate(host, stream)
 
     def copy_in(self, dst: torch.Tensor, src: torch.Tensor, stream: Stream) -> None:
-        self._h2d.transfer(src.numel() * src.element_size(), critical=stream.name == "act_upload")
+        self.h2d.transfer(src.numel() * src.element_size(), _RUNNING.ticket)
         dst.copy_(src)
 
     def to_host(self, tensor: torch.Tensor, stream: Stream) -> torch.Tensor:
-        self._d2h.transfer(tensor.numel() * tensor.element_size(), critical=False)
+        self.d2h.transfer(tensor.numel() * tensor.element_size(), _RUNNING.ticket)
         return tensor.detach().clone(memory_format=torch.contiguous_format)
 
     def keep_alive(self, tensor: torch.Tensor, stream: Stream) -> None:
-        """Nothing to do: emulated memory is freed when the last reference dies."""
+        self.memory.keep_alive(tensor, stream)
 
     def is_on_device(self, tensor: torch.Tensor) -> bool:
-        resident = self._resident.get(id(tensor))
-        return resident is tensor
+        return self.memory.is_resident(tensor)
 
     def compute_scope(self, info: OpInfo) -> contextlib.AbstractContextManager[None]:
         if info.kind in RANDOM_KINDS:
@@ -303,14 +310,13 @@ class EmulatedDevice(Device):
         torch.set_rng_state(state)
 
     def memory_allocated(self) -> int:
-        return self._allocated
+        return self.memory.in_use()
 
     def max_memory_allocated(self) -> int:
-        return self._peak
+        return self.memory.peak()
 
     def reset_peak_memory(self) -> None:
-        with self._mem_lock:
-            self._peak = self._allocated
+        self.memory.reset_peak()
 
 
 class EmulatedDevicePool(DevicePool):
@@ -325,6 +331,8 @@ class EmulatedDevicePool(DevicePool):
             raise ValueError(
                 f"capacity_bytes lists {len(capacity)} capacities for {num_devices} devices"
             )
+        self.tickets = Tickets()
+        self.host_bus = HostBus(self.options.host_gbps)
         self.devices = [EmulatedDevice(self, i, self.options) for i in range(num_devices)]
         self._recording = False
         self._spans: list[SpanRecord] = []
@@ -358,5 +366,6 @@ class EmulatedDevicePool(DevicePool):
 
     def close(self) -> None:
         for device in self.devices:
+            device.memory.closed = True
             for stream in device.streams.values():
                 stream.stop()

@@ -61,6 +61,7 @@ class Call:
     """Which upload buffer holds ``weights_version`` (see :mod:`.versions`)."""
     chunk_bytes: int | None
     prefetch_stages: int
+    gate_chunks: bool
     autocast: AutocastState
     loss_fn: Callable[..., torch.Tensor] | None
     labels: list[Any] | None
@@ -110,6 +111,7 @@ class Call:
             weights_buffer=versions.home_of(versions.read),
             chunk_bytes=config.weight_chunk_bytes,
             prefetch_stages=config.prefetch_stages,
+            gate_chunks=config.gate_weight_chunks,
             labels=labels,
             steps_before=versions.newest,
             forward_only=fields["loss_fn"] is None and not schedule.backward_jobs,

@@ -1,5 +1,6 @@
-"""Issuing one stage job's stream ops: weight upload, per-microbatch activation
-upload, compute and download, each ordered by events (DESIGN.md §4–§5).
+"""Issuing one stage job's stream ops once its weights are on their way (see
+:mod:`.prefetch`): per-microbatch activation upload, compute and download, each
+ordered by events, then buffer write-back, gradient download and release.
 
 A :class:`JobIssuer` lives only while its job is being issued on a worker's issue
 thread; it never waits on the device. Work the host must do after device work
@@ -17,13 +18,13 @@ from ..devices import Event, OpInfo, Slot, Timer
 from ..errors import failure_site
 from ..schedule import Job, JobKind
 from .call import Call
+from .prefetch import StageWeights
 from .sync import Handoff
 from .transfer import (
     download_tree,
     grads_of_inputs,
     inplace_safe,
     pair_outputs_with_grads,
-    plan_chunks,
     upload_tree,
 )
 
@@ -39,21 +40,21 @@ def job_name(job: Job) -> str:
 class JobIssuer:
     """Issues one job's stream ops. Lives only while the job is being issued."""
 
-    def __init__(self, worker: DeviceWorker, call: Call, job: Job) -> None:
+    def __init__(self, worker: DeviceWorker, call: Call, job: Job, weights: StageWeights) -> None:
         self.worker = worker
         self.device = worker.device
         self.call = call
         self.job = job
         self.name = job_name(job)
         self.mailbox = call.mailbox
-        self.weights = Slot()  # (params by uid, buffers by uid) on the device
-        self.training = job.kind is not JobKind.FORWARD
+        self.stage_weights = weights
+        self.weights = weights.tensors  # (params by uid, buffers by uid) on the device
         self.timings: list[tuple[str, tuple[int, ...], Timer]] = []
 
     # -- the three job kinds ----------------------------------------------------------
 
     def issue(self) -> None:
-        self.upload_weights()
+        self.device.compute.wait(self.stage_weights.ready)
         if self.job.kind is JobKind.FORWARD:
             for m in range(self.call.num_microbatches):
                 self.forward_microbatch(m)
@@ -205,57 +206,6 @@ class JobIssuer:
 
     # -- weights -------------------------------------------------------------------------
 
-    def upload_weights(self) -> None:
-        store, device, stream = self.worker.store, self.device, self.device.weight_upload
-        versions = self.worker.versions
-        versions.published.wait_for(self.call.weights_version)
-        layers = [self.worker.layers[i] for i in self.job.layers]
-        if self.job.kind is not JobKind.BACKWARD:
-            for layer in layers:
-                if layer.index in self.worker.buffer_gates:
-                    self.worker.buffer_gates[layer.index].wait_for(self.call.seq)
-        depth = self.call.prefetch_stages
-        if len(self.worker.job_ends) > depth:
-            # at most ``depth`` + 1 stages of weights resident: wait for the job that far back
-            stream.wait(self.worker.job_ends[-depth - 1])
-        uids = list(dict.fromkeys(uid for layer in layers for uid in layer.param_uids))
-        buffers = {uid: t for layer in layers for uid, t in layer.host_buffers().items()}
-        params: dict[int, torch.Tensor] = {}
-        on_device: dict[int, torch.Tensor] = {}
-        self.weights.value = (params, on_device)
-        sources = [versions.source(uid, self.call.weights_buffer) for uid in uids]
-        pieces = plan_chunks(
-            [t.numel() for t in sources],
-            [t.element_size() for t in sources],
-            self.call.chunk_bytes,
-        )
-        for chunk in pieces:
-
-            def upload_chunk(chunk=chunk) -> None:
-                with failure_site(f"{self.name}: weight upload on device {device!r}"):
-                    for index, first, end in chunk:
-                        uid, source = uids[index], sources[index]
-                        if first == 0:
-                            params[uid] = device.empty_like(source)
-                            params[uid].requires_grad_(self.training and store.trainable(uid))
-                            device.keep_alive(params[uid], device.compute)
-                        flat = params[uid].detach().view(-1)
-                        device.copy_in(flat[first:end], source.reshape(-1)[first:end], stream)
-
-            nbytes = sum((end - first) * sources[i].element_size() for i, first, end in chunk)
-            info = OpInfo("upload", f"weights {self.name}", nbytes, job=self.job.index)
-            stream.submit(upload_chunk, info)
-
-        def upload_buffers() -> None:
-            with failure_site(f"{self.name}: buffer upload on device {device!r}"):
-                for uid, host in buffers.items():
-                    on_device[uid] = device.to_device(host, stream)
-                    device.keep_alive(on_device[uid], device.compute)
-
-        if buffers:
-            stream.submit(upload_buffers, OpInfo("upload", f"buffers {self.name}"))
-        device.compute.wait(stream.record())
-
     def write_back_buffers(self) -> None:
         layers = [self.worker.layers[i] for i in self.job.layers]
         gated = [layer.index for layer in layers if layer.index in self.worker.buffer_gates]
@@ -336,7 +286,7 @@ class JobIssuer:
             labelled.value = (slot.value, upload_tree(device, stream, host_label, False))
             slot.value = None
 
-        stream.submit(attach, OpInfo("upload", "label", critical=True))
+        stream.submit(attach, OpInfo("upload", "label"))
         self.device.compute.wait(stream.record())
         return labelled
 
@@ -346,14 +296,16 @@ class JobIssuer:
             stream.wait(handoff.event)
         marks = self.worker.compute_marks
         if len(marks) == 2:
-            stream.wait(marks[0])  # at most one microbatch uploaded ahead of compute
+            # At most one microbatch uploaded ahead of compute, counted when issued (the
+            # upload's memory is taken then): wait on the host for the compute two back.
+            marks[0].wait(None)
         slot = Slot()
 
         def upload() -> None:
             with failure_site(f"{self.name}: upload of {what}, microbatch {m}"):
                 slot.value = upload_tree(device, stream, handoff.slot.value, requires_grad)
 
-        stream.submit(upload, OpInfo("upload", f"{what} mb{m}", critical=True))
+        stream.submit(upload, OpInfo("upload", f"{what} mb{m}"))
         self.device.compute.wait(stream.record())
         return slot
 

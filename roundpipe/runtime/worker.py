@@ -1,11 +1,18 @@
 """A device worker: the host threads that issue stage jobs to one device.
 
-Jobs arrive in schedule order on the *issue* thread, which hands each to a
-:class:`~.issuer.JobIssuer` (the job's stream ops, issued without waiting on the
-device). Host-side work that must follow device work (accumulating downloaded
-gradients, writing back buffers, noting a job finished) goes to the *completer*
-thread, which waits on the events first. Both threads survive every error: an
-error is handed to the call it belongs to.
+Every job goes, in schedule order, through two issuing threads:
+
+- the *prefetch* thread claims the job, waits on the host until the job
+  ``prefetch_stages`` + 1 back on this device has finished (the memory bound: device
+  memory is taken when the host allocates it), then allocates the stage's weights
+  and issues their upload (:mod:`.prefetch`);
+- the *issue* thread hands the job to a :class:`~.issuer.JobIssuer`, which issues
+  its activation uploads, compute and downloads behind the weights.
+
+So job *j*'s weights upload while job *j* − 1 computes. Host-side work that must
+follow device work (accumulating downloaded gradients, writing back buffers, noting a
+job finished) goes to the *completer* thread, which waits on the events first. The
+threads survive every error: an error is handed to the call it belongs to.
 
 The threads hold the worker, never the ``RoundPipe`` that owns it, so an unclosed
 model can still be collected (its session then stops them).
@@ -18,6 +25,7 @@ import contextlib
 import queue
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from ..devices import Device, Event
 from ..errors import locate
@@ -26,12 +34,35 @@ from .call import Call
 from .issuer import JobIssuer, job_name
 from .layers import LayerBinding
 from .params import ParameterStore
+from .prefetch import StageWeights, upload_stage_weights
 from .profiler import LayerProfiler
 from .sync import VersionGate
 from .versions import WeightVersions
 
 _STOP = object()
 MAX_PREFETCH = 4
+
+
+@dataclass(eq=False)
+class DeviceJob:
+    """One job on this device, handed from the prefetch thread to the issue thread."""
+
+    call: Call
+    job: Job
+    claimed: bool = False
+    weights: StageWeights | None = None
+    error: BaseException | None = None
+    """Why the weights could not be issued (the issue thread fails the job with it)."""
+    end: Event | None = None
+    """Recorded on the compute stream after the job's last op (None: nothing issued)."""
+    prefetched: threading.Event = field(default_factory=threading.Event)
+    issued: threading.Event = field(default_factory=threading.Event)
+
+    def wait_until_finished(self) -> None:
+        """On the host: until the device has run every op of this job."""
+        self.issued.wait()
+        if self.end is not None:
+            self.end.wait(None)
 
 
 class DeviceWorker:
@@ -52,13 +83,14 @@ class DeviceWorker:
         self.versions = versions
         self.profiler = profiler
         self.buffer_gates = buffer_gates
+        self._prefetches: queue.SimpleQueue = queue.SimpleQueue()
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._followups: queue.SimpleQueue = queue.SimpleQueue()
         self._threads: list[threading.Thread] = []
         self._start_lock = threading.Lock()
-        # Events marking the end of this device's last jobs and compute ops, used to
-        # bound prefetch: weights one stage ahead, activations one microbatch ahead.
-        self.job_ends: collections.deque[Event] = collections.deque(maxlen=MAX_PREFETCH + 1)
+        # The last jobs prefetched (the memory bound waits on the one that far back),
+        # and the last compute events (activations are uploaded one microbatch ahead).
+        self._prefetched: collections.deque[DeviceJob] = collections.deque(maxlen=MAX_PREFETCH + 1)
         self.compute_marks: collections.deque[Event] = collections.deque(maxlen=2)
 
     # -- threads ---------------------------------------------------------------------
@@ -68,7 +100,11 @@ class DeviceWorker:
             if self._threads:
                 return
             _preload_lazy_imports()
-            loops = ((_issue_loop, self._jobs, "issue"), (_followup_loop, self._followups, "done"))
+            loops = (
+                (_prefetch_loop, self._prefetches, "prefetch"),
+                (_issue_loop, self._jobs, "issue"),
+                (_followup_loop, self._followups, "done"),
+            )
             for loop, tasks, role in loops:
                 thread = threading.Thread(
                     target=loop, args=(tasks, self), name=f"roundpipe-{self.device!r}-{role}"
@@ -78,22 +114,24 @@ class DeviceWorker:
                 self._threads.append(thread)
 
     def stop(self) -> None:
-        """Stop both threads once their queued work is done (safe to call again)."""
+        """Stop the threads once their queued work is done (safe to call again)."""
         with self._start_lock:
             threads = list(self._threads)
-            for thread, tasks in zip(threads, (self._jobs, self._followups), strict=False):
+            queues = (self._prefetches, self._jobs, self._followups)
+            for thread, tasks in zip(threads, queues, strict=False):
                 tasks.put(_STOP)
                 thread.join()
             self._threads = []
 
     def forget_events(self) -> None:
         """After a failure: drop remembered events, which may carry the error."""
-        self.job_ends.clear()
         self.compute_marks.clear()
 
     def submit(self, call: Call, job: Job) -> None:
         self.start()
-        self._jobs.put((call, job))
+        record = DeviceJob(call, job)
+        self._prefetches.put(record)
+        self._jobs.put(record)
 
     def after(
         self,
@@ -112,22 +150,50 @@ class DeviceWorker:
                 if index in self.buffer_gates:
                     self.buffer_gates[index].advance_to(call.seq + 1)
 
-    def issue(self, call: Call, job: Job) -> None:
-        if not call.claim(job):
-            return  # cancelled after an interrupt, or already run
-        error: BaseException | None = None
-        issuer = JobIssuer(self, call, job)
+    def prefetch(self, record: DeviceJob) -> None:
+        """On the prefetch thread: claim the job and issue its weights within the bound."""
+        call, job = record.call, record.job
         try:
-            issuer.issue()
-        except BaseException as exc:  # noqa: BLE001 - handed to the call
-            error = locate(exc, f"{job_name(job)} on device {self.device!r}")
+            if not call.claim(job):
+                return  # cancelled after an interrupt, or already run
+            record.claimed = True
+            if len(self._prefetched) > call.prefetch_stages:
+                self._prefetched[-call.prefetch_stages - 1].wait_until_finished()
+            record.weights = upload_stage_weights(self, call, job, job_name(job))
+        except BaseException as exc:  # noqa: BLE001 - handed to the issue thread
+            record.error = locate(exc, f"{job_name(job)} on device {self.device!r}")
+        finally:
+            self._prefetched.append(record)
+            record.prefetched.set()
+
+    def issue(self, record: DeviceJob) -> None:
+        """On the issue thread: issue the job's compute behind its weights."""
+        record.prefetched.wait()
+        if not record.claimed:
+            record.issued.set()
+            return
+        call, job = record.call, record.job
+        error = record.error
+        timings: list = []
+        if error is None:
+            issuer = JobIssuer(self, call, job, record.weights)
+            timings = issuer.timings
+            try:
+                issuer.issue()
+            except BaseException as exc:  # noqa: BLE001 - handed to the call
+                error = locate(exc, f"{job_name(job)} on device {self.device!r}")
+        if error is not None:
             call.fail_outputs(job, error)
             self.open_buffer_gates(call, job)
-        self._finish(call, job, error, issuer.timings)
+        self._finish(record, error, timings)
 
-    def _finish(self, call: Call, job: Job, error: BaseException | None, timings: list) -> None:
-        ends = [stream.record() for stream in self.device.streams.values()]
-        self.job_ends.append(ends[0])
+    def _finish(self, record: DeviceJob, error: BaseException | None, timings: list) -> None:
+        call, job = record.call, record.job
+        try:
+            ends = [stream.record() for stream in self.device.streams.values()]
+            record.end = ends[0]
+        finally:
+            record.issued.set()
 
         def done() -> None:
             if error is None:
@@ -138,17 +204,25 @@ class DeviceWorker:
         self.after(ends, done, on_error=lambda exc: call.latch.finish(job.index, error or exc))
 
 
-def _issue_loop(jobs: queue.SimpleQueue, worker: DeviceWorker) -> None:
+def _prefetch_loop(records: queue.SimpleQueue, worker: DeviceWorker) -> None:
     while True:
-        item = jobs.get()
-        if item is _STOP:
+        record = records.get()
+        if record is _STOP:
             return
-        call, job = item
+        worker.prefetch(record)  # never raises: errors go to the record
+
+
+def _issue_loop(records: queue.SimpleQueue, worker: DeviceWorker) -> None:
+    while True:
+        record = records.get()
+        if record is _STOP:
+            return
         try:
-            worker.issue(call, job)
+            worker.issue(record)
         except BaseException as exc:  # noqa: BLE001 - the thread must outlive any job
-            call.fail_outputs(job, exc)
-            call.latch.finish(job.index, exc)
+            record.issued.set()
+            record.call.fail_outputs(record.job, exc)
+            record.call.latch.finish(record.job.index, exc)
 
 
 def _followup_loop(followups: queue.SimpleQueue, worker: DeviceWorker) -> None:

@@ -1,0 +1,145 @@
+"""The emulated backend's device memory, accounted the way CUDA's caching allocator does.
+
+- Memory is taken when ``allocate`` is *called*. The runtime calls it on the issuing
+  thread for what it can size then (a stage's weights), as PyTorch does on CUDA, so
+  the capacity is checked against what the host has issued, not what has run.
+- A freed block is usable again by the stream it was allocated on at once (that
+  stream's later work runs after the work that used it), and by any other stream
+  only after the work issued, at the moment it was freed, on every stream the block
+  was marked as used by (``keep_alive``, CUDA's ``record_stream``) has run. Until
+  then it still counts as in use.
+- A block handed out is poisoned (NaN, or all bits set for integers), so reading
+  memory nobody wrote (a missing copy, a chunk left out) gives a wrong result
+  instead of a lucky zero.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Callable
+
+import torch
+
+from ..errors import format_bytes
+
+
+def poison(tensor: torch.Tensor) -> torch.Tensor:
+    if tensor.is_floating_point() or tensor.is_complex():
+        tensor.fill_(float("nan"))
+    elif tensor.dtype == torch.bool:
+        tensor.fill_(True)
+    else:
+        tensor.fill_(-1 if tensor.dtype.is_signed else torch.iinfo(tensor.dtype).max)
+    return tensor
+
+
+class _Block:
+    __slots__ = ("nbytes", "stream", "uses")
+
+    def __init__(self, nbytes: int, stream) -> None:
+        self.nbytes = nbytes
+        self.stream = stream  # the stream it was allocated for (None: unknown)
+        self.uses: list = []  # other streams that used it (record_stream)
+
+
+class DeviceMemory:
+    """One emulated device's memory: capacity, in-use bytes, peak, pending frees."""
+
+    def __init__(
+        self,
+        index: int,
+        capacity: int | None,
+        poison_blocks: bool,
+        current_stream: Callable[[], object],
+    ) -> None:
+        self.index = index
+        self.capacity = capacity
+        self.poison_blocks = poison_blocks
+        self._current_stream = current_stream
+        self._lock = threading.Lock()
+        self._in_use = 0
+        self._peak = 0
+        self._pending: list[tuple[int, list]] = []  # (bytes, events) of frees not yet reusable
+        self._blocks: dict[int, _Block] = {}  # id(tensor) -> block, while the tensor lives
+        self._resident: weakref.WeakValueDictionary[int, torch.Tensor] = (
+            weakref.WeakValueDictionary()
+        )
+        self.closed = False
+
+    # -- allocation ----------------------------------------------------------------
+
+    def allocate(self, like: torch.Tensor, stream=None) -> torch.Tensor:
+        nbytes = like.numel() * like.element_size()
+        with self._lock:
+            self._reclaim()
+            if self.capacity is not None and self._in_use + nbytes > self.capacity:
+                raise torch.OutOfMemoryError(
+                    f"emulated device {self.index} is out of memory: allocating "
+                    f"{format_bytes(nbytes)} with {format_bytes(self._in_use)} in use "
+                    f"exceeds its capacity of {format_bytes(self.capacity)}"
+                )
+            self._in_use += nbytes
+            self._peak = max(self._peak, self._in_use)
+        tensor = torch.empty_like(like, memory_format=torch.contiguous_format, device="cpu")
+        if self.poison_blocks:
+            poison(tensor)
+        block = _Block(nbytes, stream)
+        key = id(tensor)
+        self._blocks[key] = block
+        self._resident[key] = tensor
+        weakref.finalize(tensor, self._free, key, block)
+        return tensor
+
+    def keep_alive(self, tensor: torch.Tensor, stream) -> None:
+        block = self._blocks.get(id(tensor))
+        known = block is not None and self._resident.get(id(tensor)) is tensor
+        if known and stream is not block.stream and stream not in block.uses:
+            block.uses.append(stream)
+
+    def is_resident(self, tensor: torch.Tensor) -> bool:
+        return self._resident.get(id(tensor)) is tensor
+
+    def _free(self, key: int, block: _Block) -> None:
+        """The block's tensor died (on any thread, possibly inside an op)."""
+        self._blocks.pop(key, None)
+        current = self._current_stream()
+        waits = [s for s in block.uses if s is not current]
+        events = []
+        if waits and not self.closed:
+            try:
+                events = [stream.record() for stream in waits]
+            except Exception:  # noqa: BLE001 - a stopped stream: nothing left to wait for
+                events = []
+        with self._lock:
+            if events:
+                self._pending.append((block.nbytes, events))
+            else:
+                self._in_use -= block.nbytes
+
+    def _reclaim(self) -> None:
+        """Under the lock: return frees whose recorded work has run."""
+        if not self._pending:
+            return
+        still = []
+        for nbytes, events in self._pending:
+            if all(event.query() for event in events):
+                self._in_use -= nbytes
+            else:
+                still.append((nbytes, events))
+        self._pending = still
+
+    # -- statistics ----------------------------------------------------------------
+
+    def in_use(self) -> int:
+        with self._lock:
+            self._reclaim()
+            return self._in_use
+
+    def peak(self) -> int:
+        return self._peak
+
+    def reset_peak(self) -> None:
+        with self._lock:
+            self._reclaim()
+            self._peak = self._in_use

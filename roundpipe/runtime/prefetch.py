@@ -1,0 +1,97 @@
+"""Uploading a stage's weights ahead of its compute (DESIGN.md §6).
+
+Runs on a device worker's *prefetch* thread, so a stage's upload is issued while
+the device still computes the stage before it. Two rules make this safe and fast on
+a real GPU, where memory is taken when the host allocates it and copy engines serve
+copies in issue order:
+
+- **Memory bound.** The caller waits, on the host, until the job ``prefetch_stages``
+  + 1 back on the device has finished before allocating (see ``DeviceWorker``), so a
+  device never holds more than ``prefetch_stages`` + 1 stages of weights.
+- **Activations first.** With ``gate_weight_chunks`` the chunks (at most
+  ``weight_chunk_bytes`` each) are issued one at a time: the host issues a chunk once
+  the one before it has been copied, and makes it wait for the activation uploads
+  pending at that moment. An activation upload therefore waits for at most the one
+  chunk being copied when it became ready. Without gating every chunk is issued at
+  once and a later activation upload waits for all of them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from ..devices import Event, OpInfo, Slot
+from ..errors import failure_site
+from ..schedule import Job, JobKind
+from .call import Call
+from .transfer import plan_chunks
+
+if TYPE_CHECKING:
+    from .worker import DeviceWorker
+
+
+@dataclass
+class StageWeights:
+    """A stage's weights on a device, once ``ready`` has completed."""
+
+    tensors: Slot
+    """(parameters by uid, buffers by uid) on the device; emptied by the job's release."""
+    ready: Event
+    """Recorded on the weight-upload stream after the last copy."""
+
+
+def upload_stage_weights(worker: DeviceWorker, call: Call, job: Job, name: str) -> StageWeights:
+    """Allocate ``job``'s weights on the device now and issue their upload."""
+    device, store, versions = worker.device, worker.store, worker.versions
+    stream = device.weight_upload
+    versions.published.wait_for(call.weights_version)
+    layers = [worker.layers[i] for i in job.layers]
+    if job.kind is not JobKind.BACKWARD:
+        for layer in layers:
+            gate = worker.buffer_gates.get(layer.index)
+            if gate is not None:
+                gate.wait_for(call.seq)  # an earlier call's write-back of this buffer
+    uids = list(dict.fromkeys(uid for layer in layers for uid in layer.param_uids))
+    buffers = {uid: t for layer in layers for uid, t in layer.host_buffers().items()}
+    sources = [versions.source(uid, call.weights_buffer) for uid in uids]
+    training = job.kind is not JobKind.FORWARD
+    where = f"{name}: weight upload on device {device!r}"
+    with failure_site(where):
+        # taken here, on the issuing thread, as CUDA's caching allocator takes it
+        params = {uid: device.allocate(t, stream) for uid, t in zip(uids, sources, strict=True)}
+        on_device = {uid: device.allocate(host, stream) for uid, host in buffers.items()}
+    for uid, tensor in params.items():
+        tensor.requires_grad_(training and store.trainable(uid))
+    for tensor in [*params.values(), *on_device.values()]:
+        device.keep_alive(tensor, device.compute)
+
+    copied: Event | None = None
+    for chunk in plan_chunks(
+        [t.numel() for t in sources], [t.element_size() for t in sources], call.chunk_bytes
+    ):
+
+        def upload_chunk(chunk=chunk) -> None:
+            with failure_site(where):
+                for index, first, end in chunk:
+                    flat = params[uids[index]].detach().view(-1)
+                    device.copy_in(flat[first:end], sources[index].reshape(-1)[first:end], stream)
+
+        if call.gate_chunks:
+            if copied is not None:
+                copied.wait(None)  # on the host: the chunk before has been copied
+            stream.wait(device.act_upload.record())
+        nbytes = sum((end - first) * sources[i].element_size() for i, first, end in chunk)
+        stream.submit(upload_chunk, OpInfo("upload", f"weights {name}", nbytes, job=job.index))
+        copied = stream.record()
+
+    def upload_buffers() -> None:
+        with failure_site(f"{name}: buffer upload on device {device!r}"), torch.no_grad():
+            for uid, host in buffers.items():
+                device.copy_in(on_device[uid], host, stream)
+
+    if buffers:
+        stream.submit(upload_buffers, OpInfo("upload", f"buffers {name}"))
+    return StageWeights(Slot((params, on_device)), stream.record())
