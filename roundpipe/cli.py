@@ -20,9 +20,9 @@ from pathlib import Path
 
 from .partition import auto_plan
 from .plan import Plan, PlanError
+from .predict import MODEL_PRESETS, ModelSpec, Prediction, Workload, model_preset, predict
 from .sim.baselines import BASELINES, simulate_baseline
 from .sim.costs import HARDWARE_PRESETS, CostModel, LayerCosts, hardware
-from .sim.model import MODEL_PRESETS, ModelSpec, Prediction, Workload, model_preset, predict
 from .sim.result import SimResult
 from .sim.roundpipe_schedule import simulate_roundpipe
 

@@ -37,7 +37,7 @@ from .runtime.sync import Handoff, wait_future
 from .schedule import Schedule, lower, lower_unfused
 from .timeline import Timeline
 
-PIN_MODES = ("alloc", "register", "off")
+PIN_MODES = ("auto", "alloc", "register", "off")
 
 
 class RoundPipe(nn.Module):
@@ -56,7 +56,7 @@ class RoundPipe(nn.Module):
         devices: str | DevicePool | None = None,
         optim_dtype: torch.dtype | None = None,
         model_run_config: RoundPipeRunConfig | None = None,
-        pin_model: str = "alloc",
+        pin_model: str = "auto",
         emulated_options: EmulatedOptions | None = None,
         grad_scaler: torch.amp.GradScaler | None = None,
     ) -> None:

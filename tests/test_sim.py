@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from roundpipe.plan import Plan
+from roundpipe.predict import MODEL_PRESETS, ModelSpec, Workload, model_preset, predict
 from roundpipe.schedule import lower
 from roundpipe.sim import (
     BASELINES,
@@ -18,7 +19,6 @@ from roundpipe.sim import (
 )
 from roundpipe.sim.costs import hardware
 from roundpipe.sim.engine import Dep, Op, run
-from roundpipe.sim.model import MODEL_PRESETS, ModelSpec, Workload, model_preset, predict
 from roundpipe.timeline import Span
 
 

@@ -88,13 +88,13 @@ class _CudaStream(Stream):
             return
         pool = self.device.pool
         with torch.cuda.device(self.device.index), torch.cuda.stream(self.stream):
-            start = pool._timing_event(self.stream)
+            start = pool.timing_start(self.stream)
             try:
                 fn()
             except BaseException as exc:  # noqa: BLE001 - sticky, reported through events
                 self.error = exc
                 return
-            pool._record_timing(self.device.index, self.name, info, start, self.stream)
+            pool.timing_end(self.device.index, self.name, info, start, self.stream)
 
     def record(self) -> Event:
         # blocking: a host waiting on it sleeps instead of spinning against the CPU optimizer
@@ -146,14 +146,16 @@ class CudaDevice(Device):
         # Workers sharing one GPU (e.g. "cuda:0,0") must not interleave "capture or
         # restore the state, then launch", so those launches hold the GPU's lock.
         if info.kind in RANDOM_KINDS:
-            return self.pool._rng_locks[self.index]
+            return self.pool.rng_lock(self.index)
         return contextlib.nullcontext()
 
     def timer(self) -> Timer:
         return _CudaTimer()
 
     def memory_capacity(self) -> int | None:
-        return torch.cuda.get_device_properties(self.index).total_memory
+        """What plans may use: the GPU's memory less the pool's headroom."""
+        total = torch.cuda.get_device_properties(self.index).total_memory
+        return max(0, int(total * (1 - self.pool.headroom_fraction)) - self.pool.headroom_bytes)
 
     def get_rng_state(self) -> torch.Tensor:
         return torch.cuda.get_rng_state(self.index)
@@ -174,14 +176,30 @@ class CudaDevice(Device):
 class CudaDevicePool(DevicePool):
     kind = "cuda"
 
-    def __init__(self, indices: list[int]) -> None:
+    def __init__(
+        self,
+        indices: list[int],
+        headroom_bytes: int = 1 << 30,
+        headroom_fraction: float = 0.08,
+    ) -> None:
+        """GPUs ``indices``. Plans leave ``headroom_bytes`` plus ``headroom_fraction`` of
+        each GPU's memory unused, for the CUDA context, cuBLAS workspaces and the caching
+        allocator's fragmentation."""
         if not torch.cuda.is_available():
             raise RuntimeError("CUDA devices were requested but torch.cuda is not available")
         count = torch.cuda.device_count()
         bad = [i for i in indices if not 0 <= i < count]
         if bad:
             raise ValueError(f"CUDA device(s) {bad} do not exist; this machine has {count}")
+        if headroom_bytes < 0 or not 0 <= headroom_fraction < 1:
+            raise ValueError(
+                f"headroom_bytes must be >= 0 and headroom_fraction in [0, 1), got "
+                f"{headroom_bytes} and {headroom_fraction}"
+            )
+        self.headroom_bytes = headroom_bytes
+        self.headroom_fraction = headroom_fraction
         self._rng_locks = {i: threading.RLock() for i in indices}
+        self._registered: list[torch.UntypedStorage] = []
         self.devices = [CudaDevice(self, i) for i in indices]
         self._recording = False
         self._pending: list[tuple[int, str, OpInfo, torch.cuda.Event, torch.cuda.Event]] = []
@@ -191,21 +209,42 @@ class CudaDevicePool(DevicePool):
         return f"CudaDevicePool({[d.index for d in self.devices]})"
 
     def pin(self, tensor: torch.Tensor, mode: str) -> torch.Tensor:
+        """Page-lock ``tensor``. ``"register"`` locks its own storage in place
+        (``cudaHostRegister``, undone at :meth:`close`): no copy and none of the
+        power-of-two rounding of ``pin_memory()``'s caching host allocator, which could
+        double the host memory of the weights. ``"auto"`` registers and falls back to
+        ``"alloc"`` (a pinned copy) where registering fails."""
         if mode == "off" or tensor.is_pinned():
             return tensor
         if mode == "alloc":
             return tensor.pin_memory()
-        if mode == "register":
-            storage = tensor.untyped_storage()
-            result = torch.cuda.cudart().cudaHostRegister(storage.data_ptr(), storage.nbytes(), 0)
-            code = int(getattr(result, "value", result))
-            if code != 0:
-                raise RuntimeError(
-                    f"cudaHostRegister failed with CUDA error {code}; "
-                    "use pin_model='alloc' or 'off'"
-                )
-            return tensor
-        raise ValueError(f"pin_model must be 'alloc', 'register' or 'off', got {mode!r}")
+        if mode in ("register", "auto"):
+            code = self._register(tensor.untyped_storage())
+            if code == 0:
+                return tensor
+            if mode == "auto":
+                return tensor.pin_memory()
+            raise RuntimeError(
+                f"cudaHostRegister failed with CUDA error {code}; use pin_model='alloc' or 'off'"
+            )
+        raise ValueError(f"pin_model must be 'auto', 'alloc', 'register' or 'off', got {mode!r}")
+
+    def _register(self, storage: torch.UntypedStorage) -> int:
+        result = torch.cuda.cudart().cudaHostRegister(storage.data_ptr(), storage.nbytes(), 0)
+        code = int(getattr(result, "value", result))
+        if code == 0:
+            self._registered.append(storage)  # kept alive until unregistered
+        return code
+
+    def close(self) -> None:
+        """Unregister the host memory :meth:`pin` registered (safe to call again)."""
+        registered, self._registered = self._registered, []
+        for storage in registered:
+            torch.cuda.cudart().cudaHostUnregister(storage.data_ptr())
+
+    def rng_lock(self, index: int) -> threading.RLock:
+        """Held while launching random kernels on GPU ``index`` (shared by its workers)."""
+        return self._rng_locks[index]
 
     def clear_errors(self) -> None:
         for device in self.devices:
@@ -222,14 +261,14 @@ class CudaDevicePool(DevicePool):
             self._origin[device.index] = (origin, time.perf_counter())
         self._recording = True
 
-    def _timing_event(self, stream: torch.cuda.Stream) -> torch.cuda.Event | None:
+    def timing_start(self, stream: torch.cuda.Stream) -> torch.cuda.Event | None:
         if not self._recording:
             return None
         event = torch.cuda.Event(enable_timing=True)
         event.record(stream)
         return event
 
-    def _record_timing(
+    def timing_end(
         self, device: int, name: str, info: OpInfo, start: torch.cuda.Event | None, stream
     ) -> None:
         if start is None:

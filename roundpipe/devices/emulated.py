@@ -237,7 +237,7 @@ class _EmulatedStream(Stream):
         owed, modelled.pending = modelled.pending, 0.0
         if owed > 0:
             time.sleep(owed)
-        self.device.pool._record_span(self.device.index, self.name, info, start)
+        self.device.pool.record_span(self.device.index, self.name, info, start)
 
 
 class EmulatedDevice(Device):
@@ -358,7 +358,7 @@ class EmulatedDevicePool(DevicePool):
         with self._spans_lock:
             return list(self._spans)
 
-    def _record_span(self, device: int, stream: str, info: OpInfo, start: float) -> None:
+    def record_span(self, device: int, stream: str, info: OpInfo, start: float) -> None:
         if self._recording:
             span = SpanRecord(device, stream, info, start, time.perf_counter())
             with self._spans_lock:

@@ -44,6 +44,10 @@ class HostBus:
         self._lock = threading.Lock()
         self._free_at = 0.0
 
+    @property
+    def modelled(self) -> bool:
+        return bool(self._seconds_per_byte)
+
     def reserve(self, nbytes: int, now: float) -> float:
         """Book ``nbytes`` on the bus from ``now`` on; when that share of it is done."""
         if not self._seconds_per_byte:
@@ -76,7 +80,7 @@ class CopyEngine:
 
     @property
     def modelled(self) -> bool:
-        return bool(self._seconds_per_byte or self._bus._seconds_per_byte)
+        return bool(self._seconds_per_byte) or self._bus.modelled
 
     def transfer(self, nbytes: int, ticket: int) -> None:
         """Block the calling stream thread for the copy's modelled duration.

@@ -8,6 +8,7 @@ Which weights a call uploads is decided by :mod:`.versions`.
 
 from __future__ import annotations
 
+import math
 import threading
 from collections.abc import Iterator
 
@@ -100,17 +101,29 @@ class ParameterStore:
     # -- gradients -----------------------------------------------------------------
 
     def accumulate_grad(self, uid: int, grad: torch.Tensor, scale: float | None = None) -> None:
-        """Add a downloaded gradient, unscaled by the loss ``scale`` it was computed with."""
+        """Add a downloaded gradient, unscaled by the loss ``scale`` it was computed with.
+
+        Bit-identical to the plain formula ``master.grad += grad.to(optim_dtype) / scale``
+        (:func:`_reference_grad`), but without a full-size temporary. A torch op whose
+        operands differ in dtype first converts the lower-precision one into a full-size
+        copy on CPU, so a half-precision gradient goes through an fp32 scratch chunk at a
+        time (its share per intra-op thread stays in L2); memory sees each element read
+        once and the accumulator written once. The division becomes ``alpha=1/scale`` of
+        the ``add_`` when that is exact for every value of ``grad``'s dtype — ``scale`` a
+        power of two (as GradScaler's are) small enough that no quotient underflows — and
+        stays a division otherwise (a non-power-of-two ``x * (1/scale)`` can differ from
+        ``x / scale`` in the last bit).
+        """
         entry = self.entries[uid]
         assert entry.master is not None
-        grad = grad.to(entry.optim_dtype, copy=True)
-        if scale is not None:
-            grad.div_(scale)
-        with self._grad_lock:
-            if entry.master.grad is None:
-                entry.master.grad = grad
+        with self._grad_lock:  # several completer threads may accumulate into one master
+            acc = entry.master.grad
+            if acc is None:
+                entry.master.grad = _unscaled_copy(grad, entry.optim_dtype, scale)
+            elif acc.dtype != entry.optim_dtype or not _flat_pair(acc, grad):
+                acc.add_(_reference_grad(grad, entry.optim_dtype, scale))
             else:
-                entry.master.grad.add_(grad)
+                _add_unscaled(acc, grad, scale)
 
     def scale_grads(self, factor: float) -> None:
         """Multiply every accumulated gradient by ``factor`` (to hand them to a GradScaler)."""
@@ -122,3 +135,100 @@ class ParameterStore:
     def discard_grads(self) -> None:
         for _, master in self.masters():
             master.grad = None
+
+
+# -- fused gradient accumulation (ParameterStore.accumulate_grad) ---------------------
+
+_CHUNK_PER_THREAD = 8 * 32768
+"""Scratch chunk elements per intra-op thread (32768 is ATen's grain size): each
+thread's share of the chunk (1 MiB in fp32) stays in its cache between the ops."""
+
+_scratch = threading.local()  # one scratch per completer thread, reused
+
+
+def _reference_grad(grad: torch.Tensor, dtype: torch.dtype, scale: float | None) -> torch.Tensor:
+    """A new ``grad.to(dtype) / scale``: the formula the fused paths reproduce bit for bit."""
+    out = grad.to(dtype, copy=True)
+    if scale is not None:
+        out.div_(scale)
+    return out
+
+
+def _flat(t: torch.Tensor) -> bool:
+    return t.device.type == "cpu" and t.layout == torch.strided and t.is_contiguous()
+
+
+def _flat_pair(acc: torch.Tensor, grad: torch.Tensor) -> bool:
+    return acc.shape == grad.shape and _flat(acc) and _flat(grad)
+
+
+def _chunks(acc: torch.Tensor, grad: torch.Tensor):
+    """Matching flat chunks of ``acc`` and ``grad``, each with a scratch chunk of
+    ``acc``'s dtype and the same length."""
+    size = max(1, min(_CHUNK_PER_THREAD * max(1, torch.get_num_threads()), grad.numel()))
+    buf = getattr(_scratch, "buf", None)
+    if buf is None or buf.numel() < size or buf.dtype != acc.dtype:
+        buf = _scratch.buf = torch.empty(size, dtype=acc.dtype)
+    for a, g in zip(acc.view(-1).split(size), grad.view(-1).split(size), strict=True):
+        yield a, g, buf[: g.numel()]
+
+
+def _exact_alpha(grad_dtype: torch.dtype, acc_dtype: torch.dtype, scale: float | None):
+    """``1 / scale`` if ``x * (1 / scale)`` equals ``x / scale`` in ``acc_dtype`` for
+    every ``x`` of ``grad_dtype``, else None.
+
+    That holds for a power of two ``scale >= 1`` (its reciprocal is exact, no product
+    overflows) whose quotients never fall below ``acc_dtype``'s smallest subnormal:
+    then every product is exact, and ``add_``'s fused multiply-add rounds once, like
+    the addition after an exact division. For fp32 accumulators: bf16 gradients up to
+    ``scale = 2**16``, fp16 ones up to ``2**125``, fp32 ones only ``scale = 1``.
+    """
+    if scale is None:
+        return 1.0
+    if not (grad_dtype.is_floating_point and acc_dtype.is_floating_point):
+        return None
+    if scale < 1 or math.frexp(scale)[0] != 0.5:
+        return None
+    src, dst = torch.finfo(grad_dtype), torch.finfo(acc_dtype)
+    if src.eps < dst.eps or src.tiny * src.eps / scale < dst.tiny * dst.eps:
+        return None
+    return 1.0 / scale
+
+
+def _unscaled_copy(grad: torch.Tensor, dtype: torch.dtype, scale: float | None) -> torch.Tensor:
+    """A new ``grad.to(dtype) / scale`` (never aliasing ``grad``); memory sees one pass."""
+    if scale is None:
+        return grad.to(dtype, copy=True)
+    if not _flat(grad):
+        return _reference_grad(grad, dtype, scale)
+    out = torch.empty(grad.shape, dtype=dtype)
+    if grad.dtype == dtype:
+        torch.div(grad, scale, out=out)
+    else:  # each chunk is divided while it is still in cache
+        for o, g, _ in _chunks(out, grad):
+            o.copy_(g)
+            o.div_(scale)
+    return out
+
+
+def _add_unscaled(acc: torch.Tensor, grad: torch.Tensor, scale: float | None) -> None:
+    """``acc += grad.to(acc.dtype) / scale`` in place, bit for bit; memory sees one pass."""
+    alpha = _exact_alpha(grad.dtype, acc.dtype, scale)
+    same = grad.dtype == acc.dtype
+    if same and alpha is not None:
+        acc.add_(grad, alpha=alpha)  # one op, no temporary
+        return
+    # A CPU op converts a lower-precision operand into a full-size copy first, so the
+    # conversion (and a division that is not exact as a multiply) goes through a
+    # cache-resident scratch chunk.
+    for a, g, s in _chunks(acc, grad):
+        if same:
+            torch.div(g, scale, out=s)
+            a.add_(s)
+        elif alpha is not None:
+            s.copy_(g)
+            a.add_(s, alpha=alpha)
+        else:
+            s.copy_(g)
+            s.div_(scale)
+            a.add_(s)

@@ -20,11 +20,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from ..partition import auto_plan
-from .baselines import BASELINES, simulate_baseline
-from .costs import CostModel, Hardware, LayerCosts
-from .result import SimResult
-from .roundpipe_schedule import simulate_roundpipe
+from .partition import auto_plan
+from .sim.baselines import BASELINES, simulate_baseline
+from .sim.costs import CostModel, Hardware, LayerCosts
+from .sim.result import SimResult
+from .sim.roundpipe_schedule import simulate_roundpipe
 
 BYTES_PER_VALUE = 2  # fp16/bf16
 ADAM_HOST_BYTES_PER_PARAM = 28  # read grad+master+m+v, write master+m+v+half weights
