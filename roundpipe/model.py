@@ -28,6 +28,7 @@ from .runtime import optimizer_guard
 from .runtime.call import AutocastState, Call
 from .runtime.deferred import attach_backward, check_backward_allowed
 from .runtime.inputs import own_and_split
+from .runtime.keys import Activation, InputGrad, Loss, Output
 from .runtime.layers import sequential_layers
 from .runtime.lifetime import finalize_unclosed
 from .runtime.planner import AutoPlanner
@@ -151,8 +152,8 @@ class RoundPipe(nn.Module):
                 session, schedule, inputs, labels, config, loss_fn, return_outputs, owned
             )
             try:
-                losses = [call.read(("loss", m)) for m in range(num)]
-                outputs = [call.read(("out", m)) for m in range(num)] if return_outputs else None
+                losses = [call.read(Loss(m)) for m in range(num)]
+                outputs = [call.read(Output(m)) for m in range(num)] if return_outputs else None
             except Exception as exc:
                 session.fail(call.latch.wait() or exc)  # the first job that failed
             call.returned = True
@@ -235,7 +236,7 @@ class RoundPipe(nn.Module):
                 session, schedule, inputs, None, config, None, False, [] if training else owned
             )
             try:
-                outputs = [call.read(("act", self.num_layers, m))[0][0] for m in range(num)]
+                outputs = [call.read(Activation(self.num_layers, m))[0][0] for m in range(num)]
             except Exception as exc:
                 session.fail(call.latch.wait() or exc)
             call.returned = True
@@ -253,7 +254,7 @@ class RoundPipe(nn.Module):
             call.returned = False
             call.backward_done = True
             for m, grads in enumerate(grads_per_microbatch):
-                call.mailbox.post(("grad", self.num_layers, m), Handoff(Slot(grads), None))
+                call.mailbox.post(InputGrad(self.num_layers, m), Handoff(Slot(grads), None))
             session.issue_more(call, call.schedule.backward_jobs)
             error = call.latch.wait()
             if error is not None:

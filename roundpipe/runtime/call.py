@@ -2,12 +2,12 @@
 
 Handoff keys in a call's :class:`~roundpipe.runtime.sync.Mailbox`:
 
-- ``("act", i, m)``: the input of layer ``i`` for microbatch ``m``, in host memory
+- ``Activation(i, m)``: the input of layer ``i`` for microbatch ``m``, in host memory
   (``i == 0`` is the user's input). Read by the job that starts at layer ``i`` and,
   if ``i`` is a recompute entry point, by the backward job that recomputes from it.
-- ``("rng", i, m)``: the RNG state the forward drew from when it ran layer ``i``.
-- ``("grad", i, m)``: the gradient w.r.t. the input of layer ``i``.
-- ``("loss", m)`` and ``("out", m)``: what the fused stage hands back to the caller.
+- ``RngState(i, m)``: the RNG state the forward drew from when it ran layer ``i``.
+- ``InputGrad(i, m)``: the gradient w.r.t. the input of layer ``i``.
+- ``Loss(m)`` and ``Output(m)``: what the fused stage hands back to the caller.
 
 Every value crossing a stage boundary is an ``(args, kwargs)`` pair: layer 0 is
 called as ``layer(*args, **kwargs)`` with the user's inputs, every later layer with
@@ -26,6 +26,7 @@ import torch
 from ..config import RoundPipeRunConfig
 from ..devices import Slot
 from ..schedule import Job, JobKind, Schedule
+from .keys import Activation, HandoffKey, InputGrad, Loss, Output, RngState
 from .sync import Handoff, Latch, Mailbox, wait_event
 from .versions import VersionState
 
@@ -118,7 +119,7 @@ class Call:
             **fields,
         )
         for m, (args, kwargs) in enumerate(inputs):
-            call.mailbox.post(("act", 0, m), Handoff(Slot((tuple(args), dict(kwargs))), None))
+            call.mailbox.post(Activation(0, m), Handoff(Slot((tuple(args), dict(kwargs))), None))
         return call
 
     def __post_init__(self) -> None:
@@ -128,7 +129,7 @@ class Call:
         self._claims: set[int] = set()
         self._claim_lock = threading.Lock()
 
-    def read(self, key: tuple) -> Any:
+    def read(self, key: HandoffKey) -> Any:
         """On the caller's thread: the value handed off under ``key``, once complete."""
         handoff = self.mailbox.get(key)
         if handoff.event is not None:
@@ -158,8 +159,8 @@ class Call:
                 on_cancel(job)
                 self.latch.finish(job.index, error)
         for m in range(self.num_microbatches):
-            self.mailbox.fail(("act", 0, m), error)
-            self.mailbox.fail(("grad", self.schedule.plan.num_layers, m), error)
+            self.mailbox.fail(Activation(0, m), error)
+            self.mailbox.fail(InputGrad(self.schedule.plan.num_layers, m), error)
 
     @property
     def deferred(self) -> bool:
@@ -192,21 +193,21 @@ class Call:
         for m in range(self.num_microbatches):
             for layer in set(starts) | self.recompute_inputs:
                 readers = starts.count(layer) + (layer in self.recompute_inputs)
-                self.mailbox.expect(("act", layer, m), readers)
+                self.mailbox.expect(Activation(layer, m), readers)
 
-    def produced_keys(self, job: Job) -> list[tuple]:
+    def produced_keys(self, job: Job) -> list[HandoffKey]:
         """The handoffs ``job`` posts; failed with its error if the job cannot."""
-        keys: list[tuple] = []
+        keys: list[HandoffKey] = []
         for m in range(self.num_microbatches):
             if job.kind is JobKind.FORWARD:
-                keys += [("act", i, m) for i in self.forward_saves(job)]
-                keys.append(("act", job.layers.stop, m))
-                keys += [("rng", i, m) for i in self.rng_layers(job)]
+                keys += [Activation(i, m) for i in self.forward_saves(job)]
+                keys.append(Activation(job.layers.stop, m))
+                keys += [RngState(i, m) for i in self.rng_layers(job)]
             else:
                 if job.layers.start > 0:
-                    keys.append(("grad", job.layers.start, m))
+                    keys.append(InputGrad(job.layers.start, m))
                 if job.kind is JobKind.FUSED:
-                    keys += [("loss", m), ("out", m)]
+                    keys += [Loss(m), Output(m)]
         return keys
 
     def forward_saves(self, job: Job) -> list[int]:

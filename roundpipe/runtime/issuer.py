@@ -18,6 +18,7 @@ from ..devices import Event, OpInfo, Slot, Timer
 from ..errors import failure_site
 from ..schedule import Job, JobKind
 from .call import Call
+from .keys import Activation, InputGrad, Loss, Output, RngState
 from .prefetch import StageWeights
 from .sync import Handoff
 from .transfer import (
@@ -75,7 +76,7 @@ class JobIssuer:
 
     def forward_microbatch(self, m: int) -> None:
         job, call = self.job, self.call
-        value = self.upload_input(("act", job.layers.start, m), requires_grad=False)
+        value = self.upload_input(Activation(job.layers.start, m), requires_grad=False)
         saves = {i: Slot() for i in call.forward_saves(job)}
         output = Slot()
         rng = {i: Slot() for i in call.rng_layers(job)}
@@ -96,13 +97,13 @@ class JobIssuer:
         self.compute(forward, "forward", m)
         computed = self.mark_compute()
         for i, slot in rng.items():
-            self.mailbox.post(("rng", i, m), Handoff(slot, computed))
+            self.mailbox.post(RngState(i, m), Handoff(slot, computed))
         for i, slot in [*saves.items(), (job.layers.stop, output)]:
-            self.mailbox.post(("act", i, m), self.download(slot, computed, f"act {i}", m))
+            self.mailbox.post(Activation(i, m), self.download(slot, computed, f"act {i}", m))
 
     def fused_microbatch(self, m: int) -> None:
         job, call = self.job, self.call
-        value = self.upload_input(("act", job.layers.start, m), requires_grad=True, label=m)
+        value = self.upload_input(Activation(job.layers.start, m), requires_grad=True, label=m)
         loss_slot, out_slot, grad_slot = Slot(), Slot(), Slot()
 
         def fused() -> None:
@@ -128,13 +129,13 @@ class JobIssuer:
 
         self.compute(fused, "fused", m)
         computed = self.mark_compute()
-        self.mailbox.post(("loss", m), self.download(loss_slot, computed, "loss", m))
+        self.mailbox.post(Loss(m), self.download(loss_slot, computed, "loss", m))
         if call.return_outputs:
-            self.mailbox.post(("out", m), self.download(out_slot, computed, "output", m))
+            self.mailbox.post(Output(m), self.download(out_slot, computed, "output", m))
         else:
-            self.mailbox.post(("out", m), Handoff(Slot(), None))
+            self.mailbox.post(Output(m), Handoff(Slot(), None))
         if job.layers.start > 0:
-            key = ("grad", job.layers.start, m)
+            key = InputGrad(job.layers.start, m)
             self.mailbox.post(key, self.download(grad_slot, computed, "grad", m))
 
     def backward_microbatch(self, m: int) -> None:
@@ -156,10 +157,10 @@ class JobIssuer:
         """
         call = self.call
         start = layers.start
-        value = self.upload_input(("act", start, m), requires_grad=start > 0)
+        value = self.upload_input(Activation(start, m), requires_grad=start > 0)
         rng = None
         if call.preserve_rng_state:
-            rng = self.mailbox.get(("rng", start, m))
+            rng = self.mailbox.get(RngState(start, m))
             self.device.compute.wait(rng.event)
         graph = Slot()
 
@@ -197,11 +198,11 @@ class JobIssuer:
         self.compute(backward, "backward", m, layers)
         if post and start > 0:
             computed = self.mark_compute()
-            self.mailbox.post(("grad", start, m), self.download(input_grads, computed, "grad", m))
+            self.mailbox.post(InputGrad(start, m), self.download(input_grads, computed, "grad", m))
         return input_grads
 
     def fetch_grad(self, layer: int, m: int) -> Slot:
-        handoff = self.mailbox.get(("grad", layer, m))
+        handoff = self.mailbox.get(InputGrad(layer, m))
         return self.upload(handoff, f"grad {layer}", m, requires_grad=False)
 
     # -- weights -------------------------------------------------------------------------
@@ -273,9 +274,9 @@ class JobIssuer:
 
     # -- activations -------------------------------------------------------------------
 
-    def upload_input(self, key: tuple, requires_grad: bool, label: int | None = None) -> Slot:
+    def upload_input(self, key: Activation, requires_grad: bool, label: int | None = None) -> Slot:
         handoff = self.mailbox.get(key)
-        slot = self.upload(handoff, f"act {key[1]}", key[2], requires_grad)
+        slot = self.upload(handoff, f"act {key.layer}", key.microbatch, requires_grad)
         if label is None:
             return slot
         labelled = Slot()

@@ -1,0 +1,49 @@
+"""What a call's jobs hand to each other, named (the keys of a call's ``Mailbox``).
+
+Each key is a value of its own type, so two kinds of handoff can never be confused
+(``Activation(3, 0)`` is not ``InputGrad(3, 0)``), and every key is derived from the
+schedule: the layer whose input or input gradient it is, and the microbatch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class Activation:
+    """The input of ``layer`` for ``microbatch``, in host memory (``layer`` = the number
+    of layers: the model's output)."""
+
+    layer: int
+    microbatch: int
+
+
+@dataclass(frozen=True, slots=True)
+class InputGrad:
+    """The gradient with respect to the input of ``layer`` (the model's output for
+    ``layer`` = the number of layers, from a deferred ``.backward()``)."""
+
+    layer: int
+    microbatch: int
+
+
+@dataclass(frozen=True, slots=True)
+class RngState:
+    """The RNG state the forward drew from when it ran ``layer``."""
+
+    layer: int
+    microbatch: int
+
+
+@dataclass(frozen=True, slots=True)
+class Loss:
+    microbatch: int
+
+
+@dataclass(frozen=True, slots=True)
+class Output:
+    microbatch: int
+
+
+HandoffKey = Activation | InputGrad | RngState | Loss | Output
