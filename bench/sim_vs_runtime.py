@@ -10,12 +10,14 @@ compared with ``roundpipe.sim.steady_iteration_time`` for the same plan, costs,
 bandwidth and weight bytes (activation transfers: comm = 0).
 
     .venv/bin/python bench/sim_vs_runtime.py --devices 4 8
+    .venv/bin/python bench/sim_vs_runtime.py --json     # one JSON object per line
     .venv/bin/python bench/sim_vs_runtime.py --devices 4 --plan "3,3,3|4,3,3,3" --spans
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import time
 from collections import defaultdict
@@ -145,6 +147,18 @@ def compare(devices: int, args: argparse.Namespace) -> None:
     simulated = steady_iteration_time(plan, model_costs, devices, micro, round_size=micro)
     measured, spans = measure(model, plan, devices, costs, args)
     bound = work_bound(plan, costs, devices, micro)
+    if args.json:
+        result = {
+            "devices": devices,
+            "measured_ms": round(measured * 1e3, 2),
+            "simulated_ms": round(simulated * 1e3, 2),
+            "ratio": round(measured / simulated, 3),
+            "microbatches": micro,
+            "plan": str(plan),
+            "bound_ms": round(bound * 1e3, 2),
+        }
+        print(json.dumps(result), flush=True)
+        return
     print(
         f"{devices:7d} {micro:5d}  {str(plan):24} {bound * 1e3:7.1f}"
         f" {measured * 1e3:9.1f} {simulated * 1e3:9.1f} {measured / simulated:6.2f}"
@@ -171,16 +185,23 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--iterations", type=int, default=6, help="timed iterations")
     parser.add_argument("--spans", action="store_true", help="per op kind: measured vs modelled")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    parser.add_argument(
+        "--json",
+        action="store_true",
+        help="print one JSON object per configuration (devices, measured_ms, simulated_ms, "
+        "ratio = measured / simulated, microbatches, plan, bound_ms)",
+    )
     return parser.parse_args()
 
 
 def main() -> None:
     args = parse_args()
     torch.set_num_threads(args.threads)
-    print(
-        f"{'devices':>7} {'mbs':>5}  {'plan':24} {'bound':>7} {'meas ms':>9} {'sim ms':>9}"
-        f" {'ratio':>6}"
-    )
+    if not args.json:
+        print(
+            f"{'devices':>7} {'mbs':>5}  {'plan':24} {'bound':>7} {'meas ms':>9} {'sim ms':>9}"
+            f" {'ratio':>6}"
+        )
     for devices in args.devices:
         compare(devices, args)
 

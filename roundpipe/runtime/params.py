@@ -110,9 +110,10 @@ class ParameterStore:
         time (its share per intra-op thread stays in L2); memory sees each element read
         once and the accumulator written once. The division becomes ``alpha=1/scale`` of
         the ``add_`` when that is exact for every value of ``grad``'s dtype — ``scale`` a
-        power of two (as GradScaler's are) small enough that no quotient underflows — and
-        stays a division otherwise (a non-power-of-two ``x * (1/scale)`` can differ from
-        ``x / scale`` in the last bit).
+        power of two (as GradScaler's are) small enough that no quotient underflows —
+        else a multiply by ``1/scale`` in the scratch where that is exact (a power of
+        two), else the same division (a non-power-of-two ``x * (1/scale)`` can differ
+        from ``x / scale`` in the last bit). The whole update runs under the lock.
         """
         entry = self.entries[uid]
         assert entry.master is not None
@@ -162,18 +163,23 @@ def _flat_pair(acc: torch.Tensor, grad: torch.Tensor) -> bool:
     return acc.shape == grad.shape and _flat(acc) and _flat(grad)
 
 
-def _chunks(acc: torch.Tensor, grad: torch.Tensor):
-    """Matching flat chunks of ``acc`` and ``grad``, each with a scratch chunk of
-    ``acc``'s dtype and the same length."""
-    size = max(1, min(_CHUNK_PER_THREAD * max(1, torch.get_num_threads()), grad.numel()))
+def _chunks(*tensors: torch.Tensor) -> Iterator[tuple[torch.Tensor, ...]]:
+    """Matching flat chunks of equally long contiguous tensors."""
+    size = max(1, min(_CHUNK_PER_THREAD * max(1, torch.get_num_threads()), tensors[0].numel()))
+    return zip(*(t.view(-1).split(size) for t in tensors), strict=True)
+
+
+def _scratch_like(chunk: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """This thread's scratch, as a flat tensor of ``dtype`` as long as ``chunk``."""
     buf = getattr(_scratch, "buf", None)
-    if buf is None or buf.numel() < size or buf.dtype != acc.dtype:
-        buf = _scratch.buf = torch.empty(size, dtype=acc.dtype)
-    for a, g in zip(acc.view(-1).split(size), grad.view(-1).split(size), strict=True):
-        yield a, g, buf[: g.numel()]
+    if buf is None or buf.numel() < chunk.numel() or buf.dtype != dtype:
+        buf = _scratch.buf = torch.empty(chunk.numel(), dtype=dtype)
+    return buf[: chunk.numel()]
 
 
-def _exact_alpha(grad_dtype: torch.dtype, acc_dtype: torch.dtype, scale: float | None):
+def _exact_alpha(
+    grad_dtype: torch.dtype, acc_dtype: torch.dtype, scale: float | None
+) -> float | None:
     """``1 / scale`` if ``x * (1 / scale)`` equals ``x / scale`` in ``acc_dtype`` for
     every ``x`` of ``grad_dtype``, else None.
 
@@ -195,6 +201,27 @@ def _exact_alpha(grad_dtype: torch.dtype, acc_dtype: torch.dtype, scale: float |
     return 1.0 / scale
 
 
+def _exact_reciprocal(dtype: torch.dtype, scale: float | None) -> float | None:
+    """``1 / scale`` if ``x * (1 / scale)`` is ``x / scale`` bit for bit for every ``x``
+    of ``dtype``, else None: ``scale`` a power of two that is, like its reciprocal, a
+    normal number of ``dtype`` (both results round the same real number). In cache a
+    multiply costs half a division."""
+    if scale is None or not dtype.is_floating_point or math.frexp(scale)[0] != 0.5:
+        return None
+    tiny = torch.finfo(dtype).tiny
+    if not tiny <= scale <= 1 / tiny:
+        return None
+    return 1.0 / scale
+
+
+def _unscale(src: torch.Tensor, out: torch.Tensor, scale: float, recip: float | None) -> None:
+    """``out = src / scale`` (``out`` may be ``src``), as a multiply where that is exact."""
+    if recip is None:
+        torch.div(src, scale, out=out)
+    else:
+        torch.mul(src, recip, out=out)
+
+
 def _unscaled_copy(grad: torch.Tensor, dtype: torch.dtype, scale: float | None) -> torch.Tensor:
     """A new ``grad.to(dtype) / scale`` (never aliasing ``grad``); memory sees one pass."""
     if scale is None:
@@ -202,12 +229,13 @@ def _unscaled_copy(grad: torch.Tensor, dtype: torch.dtype, scale: float | None) 
     if not _flat(grad):
         return _reference_grad(grad, dtype, scale)
     out = torch.empty(grad.shape, dtype=dtype)
+    recip = _exact_reciprocal(dtype, scale)
     if grad.dtype == dtype:
-        torch.div(grad, scale, out=out)
-    else:  # each chunk is divided while it is still in cache
-        for o, g, _ in _chunks(out, grad):
+        _unscale(grad, out, scale, recip)
+    else:  # each chunk is unscaled while it is still in cache
+        for o, g in _chunks(out, grad):
             o.copy_(g)
-            o.div_(scale)
+            _unscale(o, o, scale, recip)
     return out
 
 
@@ -219,16 +247,18 @@ def _add_unscaled(acc: torch.Tensor, grad: torch.Tensor, scale: float | None) ->
         acc.add_(grad, alpha=alpha)  # one op, no temporary
         return
     # A CPU op converts a lower-precision operand into a full-size copy first, so the
-    # conversion (and a division that is not exact as a multiply) goes through a
+    # conversion (and an unscaling that cannot be add_'s alpha) goes through a
     # cache-resident scratch chunk.
-    for a, g, s in _chunks(acc, grad):
-        if same:
-            torch.div(g, scale, out=s)
+    recip = _exact_reciprocal(acc.dtype, scale)
+    for a, g in _chunks(acc, grad):
+        s = _scratch_like(g, acc.dtype)
+        if same:  # then alpha is None: scale is not None
+            _unscale(g, s, scale, recip)
             a.add_(s)
-        elif alpha is not None:
-            s.copy_(g)
-            a.add_(s, alpha=alpha)
+            continue
+        s.copy_(g)
+        if alpha is None:
+            _unscale(s, s, scale, recip)
+            a.add_(s)
         else:
-            s.copy_(g)
-            s.div_(scale)
-            a.add_(s)
+            a.add_(s, alpha=alpha)
