@@ -22,13 +22,13 @@ from torch import nn
 
 from .config import RoundPipeRunConfig, checked_run_config
 from .devices import DevicePool, EmulatedOptions, Slot, make_pool
+from .keys import Activation, InputGrad, Loss, Output
 from .microbatch import merge_outputs
 from .plan import Plan
 from .runtime import optimizer_guard
 from .runtime.call import AutocastState, Call
 from .runtime.deferred import attach_backward, check_backward_allowed
 from .runtime.inputs import own_and_split
-from .runtime.keys import Activation, InputGrad, Loss, Output
 from .runtime.layers import sequential_layers
 from .runtime.lifetime import finalize_unclosed
 from .runtime.planner import AutoPlanner

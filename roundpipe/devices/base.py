@@ -40,6 +40,7 @@ class OpInfo:
     nbytes: int = 0
     layers: tuple[int, ...] = ()
     job: int = -1  # index of the schedule job the op belongs to (-1: none)
+    op: int = -1  # index of the op in its job's program (roundpipe.program; -1: none)
 
 
 @dataclass(frozen=True)

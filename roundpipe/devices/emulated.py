@@ -215,6 +215,8 @@ class _EmulatedStream(Stream):
                 if payload.error is not None and self.error is None:
                     self.error = payload.error
             else:
+                if self.engine is not None:
+                    self.engine.op_started(issued[1])
                 if self.error is None:
                     self._run_op(payload, issued[0], issued[1])
                 if self.engine is not None:
@@ -270,12 +272,19 @@ class EmulatedDevice(Device):
         return self.memory.allocate(host, stream)
 
     def copy_in(self, dst: torch.Tensor, src: torch.Tensor, stream: Stream) -> None:
-        self.h2d.transfer(src.numel() * src.element_size(), _RUNNING.ticket)
+        self._transfer(self.h2d, src.numel() * src.element_size())
         dst.copy_(src)
 
     def to_host(self, tensor: torch.Tensor, stream: Stream) -> torch.Tensor:
-        self.d2h.transfer(tensor.numel() * tensor.element_size(), _RUNNING.ticket)
+        self._transfer(self.d2h, tensor.numel() * tensor.element_size())
         return tensor.detach().clone(memory_format=torch.contiguous_format)
+
+    def _transfer(self, engine: CopyEngine, nbytes: int) -> None:
+        running = _RUNNING.stream
+        if running is not None and running.engine is engine:
+            engine.transfer(nbytes, _RUNNING.ticket, held=True)
+        else:  # a copy from a compute op or from outside any op: ready from now on
+            engine.transfer(nbytes, self.pool.tickets.next(), held=False)
 
     def keep_alive(self, tensor: torch.Tensor, stream: Stream) -> None:
         self.memory.keep_alive(tensor, stream)

@@ -82,11 +82,13 @@ class CopyEngine:
     def modelled(self) -> bool:
         return bool(self._seconds_per_byte) or self._bus.modelled
 
-    def transfer(self, nbytes: int, ticket: int) -> None:
-        """Block the calling stream thread for the copy's modelled duration.
+    def transfer(self, nbytes: int, ticket: int, held: bool) -> None:
+        """Block the calling thread for the copy's modelled duration.
 
-        ``ticket`` is the issuing op's; a negative one (a copy outside any op) is
-        served in turn and holds nothing afterwards."""
+        ``held``: ``ticket`` belongs to an op of a stream using this engine, which holds
+        it from the moment the stream reached the op until the op ends. Any other copy
+        (from a compute op, or outside any op) gets a fresh ``ticket`` and is ready
+        only while it waits."""
         if not self.modelled:
             return
         with self._cond:
@@ -103,9 +105,15 @@ class CopyEngine:
         finally:
             with self._cond:
                 self._busy = False
-                if ticket < 0:
+                if not held:
                     self._drop(ticket)
                 self._cond.notify_all()
+
+    def op_started(self, ticket: int) -> None:
+        """A stream using this engine reached the op of ``ticket``: its copies are ready."""
+        if self.modelled:
+            with self._cond:
+                self._hold(ticket)
 
     def op_finished(self, ticket: int, next_ticket: int | None) -> None:
         """The op of ``ticket`` ended; ``next_ticket`` is its stream's next op if ready."""

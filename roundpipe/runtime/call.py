@@ -25,8 +25,9 @@ import torch
 
 from ..config import RoundPipeRunConfig
 from ..devices import Slot
+from ..keys import Activation, HandoffKey, InputGrad, Loss, Output, RngState
+from ..program import CallShape, recompute_inputs
 from ..schedule import Job, JobKind, Schedule
-from .keys import Activation, HandoffKey, InputGrad, Loss, Output, RngState
 from .sync import Handoff, Latch, Mailbox, wait_event
 from .versions import VersionState
 
@@ -124,7 +125,16 @@ class Call:
 
     def __post_init__(self) -> None:
         self.latch = Latch(j.index for j in self.first_jobs)
-        self.recompute_inputs = self._recompute_inputs()
+        self.recompute_inputs = recompute_inputs(
+            self.schedule, self.recompute_grain, self.forward_only, self.deferred
+        )
+        self.shape = CallShape(
+            self.num_microbatches,
+            self.recompute_grain,
+            self.recompute_inputs,
+            self.preserve_rng_state,
+            self.return_outputs,
+        )
         self._expect_readers()
         self._claims: set[int] = set()
         self._claim_lock = threading.Lock()
@@ -178,14 +188,6 @@ class Call:
     def fused_start(self) -> int:
         return self.schedule.plan.fused_range().start
 
-    def _recompute_inputs(self) -> frozenset[int]:
-        if self.forward_only:
-            return frozenset()
-        if self.recompute_grain == "layer":
-            end = self.schedule.plan.num_layers if self.deferred else self.fused_start
-            return frozenset(range(end))
-        return frozenset(j.layers.start for j in self.schedule.jobs if j.kind is JobKind.BACKWARD)
-
     def _expect_readers(self) -> None:
         starts = [
             j.layers.start for j in self.schedule.jobs if j.kind in (JobKind.FORWARD, JobKind.FUSED)
@@ -211,13 +213,10 @@ class Call:
         return keys
 
     def forward_saves(self, job: Job) -> list[int]:
-        """Layers strictly inside a forward job whose input is kept for recompute."""
-        return [i for i in job.layers if i != job.layers.start and i in self.recompute_inputs]
+        return self.shape.forward_saves(job)
 
     def rng_layers(self, job: Job) -> list[int]:
-        if not self.preserve_rng_state:
-            return []
-        return [i for i in job.layers if i in self.recompute_inputs]
+        return self.shape.rng_layers(job)
 
     def fail_outputs(self, job: Job, error: BaseException) -> None:
         for key in self.produced_keys(job):

@@ -1,10 +1,12 @@
-"""Issuing one stage job's stream ops once its weights are on their way (see
-:mod:`.prefetch`): per-microbatch activation upload, compute and download, each
-ordered by events, then buffer write-back, gradient download and release.
+"""Issuing a job's device ops by interpreting its program (:mod:`roundpipe.program`).
 
-A :class:`JobIssuer` lives only while its job is being issued on a worker's issue
-thread; it never waits on the device. Work the host must do after device work
-(accumulating gradients, writing back buffers) is handed to the worker's completer.
+The prefetch thread has issued the program's weight ops (:mod:`.prefetch`); a
+:class:`JobIssuer` issues the rest, in program order, on the worker's issue thread,
+without waiting on the device except for the program's host waits. For each op it
+makes the op's stream wait for the ops of other streams it reads (``inputs``),
+submits the op, and records an event where a later op or a reader needs one. Work the
+host must do after device work (accumulating gradients, writing back buffers) is
+handed to the worker's completer thread.
 """
 
 from __future__ import annotations
@@ -14,20 +16,17 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..devices import Event, OpInfo, Slot, Timer
+from .. import program as P
+from ..devices import Event, OpInfo, Slot, Stream
 from ..errors import failure_site
+from ..keys import Activation, InputGrad, Loss, Output
+from ..program import DeviceOp, JobProgram
 from ..schedule import Job, JobKind
 from .call import Call
-from .keys import Activation, InputGrad, Loss, Output, RngState
 from .prefetch import StageWeights
+from .stage_compute import StageCompute, take
 from .sync import Handoff
-from .transfer import (
-    download_tree,
-    grads_of_inputs,
-    inplace_safe,
-    pair_outputs_with_grads,
-    upload_tree,
-)
+from .transfer import download_tree, upload_tree
 
 if TYPE_CHECKING:
     from .worker import DeviceWorker
@@ -39,345 +38,262 @@ def job_name(job: Job) -> str:
 
 
 class JobIssuer:
-    """Issues one job's stream ops. Lives only while the job is being issued."""
+    """Issues one job's non-weight ops. Lives only while the job is being issued."""
 
-    def __init__(self, worker: DeviceWorker, call: Call, job: Job, weights: StageWeights) -> None:
+    def __init__(
+        self,
+        worker: DeviceWorker,
+        call: Call,
+        job: Job,
+        program: JobProgram,
+        weights: StageWeights,
+    ) -> None:
         self.worker = worker
         self.device = worker.device
         self.call = call
         self.job = job
+        self.program = program
         self.name = job_name(job)
         self.mailbox = call.mailbox
-        self.stage_weights = weights
         self.weights = weights.tensors  # (params by uid, buffers by uid) on the device
-        self.timings: list[tuple[str, tuple[int, ...], Timer]] = []
+        self.compute = StageCompute(self)
+        self.results: dict[int, Slot] = {}
+        self.posted: dict[int, dict] = {}  # op -> the slots of the values it posts itself
+        self.events: dict[int, Event] = {}
+        self.needs_event = program.needs_event()
+        self.waited: dict[tuple[str, str], int] = {}  # (stream, other stream) -> last op
+        if program.weight_ops:
+            self.events[program.weight_ops[-1].index] = weights.ready
 
-    # -- the three job kinds ----------------------------------------------------------
+    @property
+    def timings(self) -> list:
+        return self.compute.timings
 
     def issue(self) -> None:
-        self.device.compute.wait(self.stage_weights.ready)
-        if self.job.kind is JobKind.FORWARD:
-            for m in range(self.call.num_microbatches):
-                self.forward_microbatch(m)
-            self.write_back_buffers()
-        elif self.job.kind is JobKind.FUSED:
-            for m in range(self.call.num_microbatches):
-                self.fused_microbatch(m)
-            self.write_back_buffers()
-            self.download_param_grads()
-        else:
-            for m in range(self.call.num_microbatches):
-                if self.call.recompute_grain == "layer":
-                    self.backward_microbatch_by_layer(m)
-                else:
-                    self.backward_microbatch(m)
-            self.download_param_grads()
-        self.device.compute.submit(self.release, OpInfo("release", self.name))
+        for op in self.program.ops:
+            if op.stream != P.WEIGHT_UPLOAD:
+                self.issue_op(op)
 
-    def forward_microbatch(self, m: int) -> None:
-        job, call = self.job, self.call
-        value = self.upload_input(Activation(job.layers.start, m), requires_grad=False)
-        saves = {i: Slot() for i in call.forward_saves(job)}
-        output = Slot()
-        rng = {i: Slot() for i in call.rng_layers(job)}
+    def issue_op(self, op: DeviceOp) -> None:
+        if op.host_wait is not None:
+            self.events[op.host_wait].wait(None)  # the memory bound, counted when issued
+        stream = self.device.streams[op.stream]
+        for index in op.inputs:
+            source = self.program.ops[index].stream
+            if source != op.stream and self.waited.get((op.stream, source), -1) < index:
+                stream.wait(self.events[index])
+                self.waited[(op.stream, source)] = index
+        self.results[op.index] = Slot()
+        _HANDLERS[op.kind](self, op, stream)
+        if op.index in self.needs_event:
+            self.events[op.index] = stream.record()
+        for key, slot in self.posted.pop(op.index, {}).items():
+            self.mailbox.post(key, Handoff(slot, self.events[op.index]))
 
-        def forward() -> None:
-            x = value.value
-            value.value = None
-            with torch.no_grad(), call.autocast.scope():
-                for i in job.layers:
-                    if i in rng:
-                        rng[i].value = self.device.get_rng_state()
-                    if i in saves:
-                        # a copy: a later layer may modify its input in place
-                        saves[i].value = inplace_safe(x, clone_all=True)
-                    x = self.run_layer(i, x, m, "forward")
-            output.value = x
+    def info(self, op: DeviceOp, kind: str, label: str, layers: range = range(0)) -> OpInfo:
+        return OpInfo(kind, label, layers=tuple(layers), job=self.job.index, op=op.index)
 
-        self.compute(forward, "forward", m)
-        computed = self.mark_compute()
-        for i, slot in rng.items():
-            self.mailbox.post(RngState(i, m), Handoff(slot, computed))
-        for i, slot in [*saves.items(), (job.layers.stop, output)]:
-            self.mailbox.post(Activation(i, m), self.download(slot, computed, f"act {i}", m))
+    # -- uploads -------------------------------------------------------------------------
 
-    def fused_microbatch(self, m: int) -> None:
-        job, call = self.job, self.call
-        value = self.upload_input(Activation(job.layers.start, m), requires_grad=True, label=m)
-        loss_slot, out_slot, grad_slot = Slot(), Slot(), Slot()
+    def upload_input(self, op: DeviceOp, stream: Stream) -> None:
+        layer = op.key.layer
+        requires_grad = self.job.kind is JobKind.FUSED or (
+            self.job.kind is JobKind.BACKWARD and layer > 0
+        )
+        self.upload_handoff(op, stream, f"act {layer}", requires_grad)
 
-        def fused() -> None:
-            (args, kwargs), label = value.value
-            value.value = None
-            inputs = (args, kwargs)
-            with torch.enable_grad():
-                with call.autocast.scope():
-                    x = inplace_safe(inputs)
-                    for i in job.layers:
-                        x = self.run_layer(i, x, m, "forward")
-                    with failure_site(f"loss_fn in {self.name}, microbatch {m}"):
-                        loss = call.loss_fn(x[0][0], label)
-                        _check_loss(loss)
-                scaled = loss if call.loss_scale is None else loss * call.loss_scale
-                with failure_site(f"{self.name}, backward of microbatch {m}"):
-                    self.timed("backward", job.layers, scaled.backward)
-            loss_slot.value = loss.detach()
-            if call.return_outputs:
-                out_slot.value = x[0][0]
-            if job.layers.start > 0:
-                grad_slot.value = grads_of_inputs(inputs)
+    def upload_grad(self, op: DeviceOp, stream: Stream) -> None:
+        self.upload_handoff(op, stream, f"grad {op.key.layer}", requires_grad=False)
 
-        self.compute(fused, "fused", m)
-        computed = self.mark_compute()
-        self.mailbox.post(Loss(m), self.download(loss_slot, computed, "loss", m))
-        if call.return_outputs:
-            self.mailbox.post(Output(m), self.download(out_slot, computed, "output", m))
-        else:
-            self.mailbox.post(Output(m), Handoff(Slot(), None))
-        if job.layers.start > 0:
-            key = InputGrad(job.layers.start, m)
-            self.mailbox.post(key, self.download(grad_slot, computed, "grad", m))
+    def upload_handoff(self, op: DeviceOp, stream: Stream, what: str, requires_grad: bool) -> None:
+        handoff = self.mailbox.get(op.key)
+        if handoff.event is not None:
+            stream.wait(handoff.event)
+        slot, device = self.results[op.index], self.device
 
-    def backward_microbatch(self, m: int) -> None:
-        self.backward_layers(self.job.layers, m, lambda: self.fetch_grad(self.job.layers.stop, m))
+        def upload() -> None:
+            with failure_site(f"{self.name}: upload of {what}, microbatch {op.microbatch}"):
+                slot.value = upload_tree(device, stream, handoff.slot.value, requires_grad)
 
-    def backward_microbatch_by_layer(self, m: int) -> None:
-        def grad():
-            return self.fetch_grad(self.job.layers.stop, m)
+        stream.submit(upload, self.info(op, "upload", f"{what} mb{op.microbatch}"))
 
-        for i in reversed(self.job.layers):
-            grad = self.backward_layers(range(i, i + 1), m, grad, post=i == self.job.layers.start)
+    def upload_label(self, op: DeviceOp, stream: Stream) -> None:
+        labels = self.call.labels
+        host = labels[op.microbatch] if labels is not None else None
+        slot, device = self.results[op.index], self.device
 
-    def backward_layers(self, layers: range, m: int, grad, post: bool = True) -> Slot:
-        """Recompute ``layers`` for microbatch ``m``, then run their backward.
+        def upload() -> None:
+            with failure_site(f"{self.name}: upload of the label, microbatch {op.microbatch}"):
+                slot.value = upload_tree(device, stream, host, False)
 
-        The recompute needs only the saved input, so it is issued before waiting for
-        the incoming gradient (``grad``: a slot on the device, or a function that
-        fetches it from the mailbox).
-        """
-        call = self.call
-        start = layers.start
-        value = self.upload_input(Activation(start, m), requires_grad=start > 0)
+        stream.submit(upload, self.info(op, "upload", f"label mb{op.microbatch}"))
+
+    # -- compute -------------------------------------------------------------------------
+
+    def run_compute(self, op: DeviceOp, stream: Stream, body: Callable[[], object]) -> None:
+        """Submit a compute op whose result (``body()``) goes to the op's result slot;
+        the values it posts itself get slots of their own."""
+        result, device = self.results[op.index], self.device
+        info = self.info(op, op.kind, f"{self.name} mb{op.microbatch}", op.layers)
+        where = f"{self.name}, {op.kind} of microbatch {op.microbatch}"
+        if len(op.layers) == 1:
+            where += f" ({self.worker.layers[op.layers.start]})"
+        posted = self.posted[op.index] = {key: Slot() for key in op.posts}
+
+        def run() -> None:
+            with failure_site(where), device.compute_scope(info):
+                value = body()
+            for key, slot in posted.items():
+                slot.value = value.pop(key, None)
+            result.value = value
+
+        stream.submit(run, info)
+
+    def input_of(self, op: DeviceOp, *kinds: str) -> tuple[DeviceOp, Slot]:
+        for index in op.inputs:
+            if self.program.ops[index].kind in kinds:
+                return self.program.ops[index], self.results[index]
+        raise AssertionError(f"op #{op.index} reads no {kinds}")
+
+    def forward(self, op: DeviceOp, stream: Stream) -> None:
+        _, value = self.input_of(op, P.UPLOAD_INPUT)
+        self.run_compute(op, stream, lambda: self.compute.forward(op.microbatch, value))
+
+    def fused(self, op: DeviceOp, stream: Stream) -> None:
+        _, value = self.input_of(op, P.UPLOAD_INPUT)
+        _, label = self.input_of(op, P.UPLOAD_LABEL)
+        self.run_compute(op, stream, lambda: self.compute.fused(op.microbatch, value, label))
+
+    def recompute(self, op: DeviceOp, stream: Stream) -> None:
+        _, value = self.input_of(op, P.UPLOAD_INPUT)
         rng = None
-        if call.preserve_rng_state:
-            rng = self.mailbox.get(RngState(start, m))
-            self.device.compute.wait(rng.event)
-        graph = Slot()
+        if op.key is not None:
+            handoff = self.mailbox.get(op.key)
+            stream.wait(handoff.event)
+            rng = handoff.slot
+        m = op.microbatch
+        self.run_compute(op, stream, lambda: self.compute.recompute(m, op.layers, value, rng))
 
-        def recompute() -> None:
-            inputs = value.value
-            value.value = None
-            with torch.enable_grad(), call.autocast.scope():
-                current = self.device.get_rng_state() if rng is not None else None
-                if rng is not None:
-                    self.device.set_rng_state(rng.slot.value)
-                try:
-                    x = inplace_safe(inputs)
-                    for i in layers:
-                        x = self.run_layer(i, x, m, "recompute")
-                finally:
-                    if current is not None:
-                        self.device.set_rng_state(current)
-            graph.value = (inputs, x)
+    def backward(self, op: DeviceOp, stream: Stream) -> None:
+        _, graph = self.input_of(op, P.RECOMPUTE)
+        source, grad = self.input_of(op, P.UPLOAD_GRAD, P.BACKWARD)
 
-        self.compute(recompute, "recompute", m, layers)
-        if callable(grad):
-            grad = grad()
-        input_grads = Slot()
+        def incoming():
+            if source.kind == P.UPLOAD_GRAD:
+                return take(grad)
+            return grad.value.pop(InputGrad(source.layers.start, op.microbatch))
 
-        def backward() -> None:
-            inputs, outputs = graph.value
-            graph.value = None
-            incoming = grad.value
-            grad.value = None
-            tensors, grads = pair_outputs_with_grads(outputs, incoming)
-            if tensors:
-                self.timed("backward", layers, lambda: torch.autograd.backward(tensors, grads))
-            input_grads.value = grads_of_inputs(inputs) if start > 0 else None
+        m = op.microbatch
+        self.run_compute(op, stream, lambda: self.compute.backward(m, op.layers, graph, incoming))
 
-        self.compute(backward, "backward", m, layers)
-        if post and start > 0:
-            computed = self.mark_compute()
-            self.mailbox.post(InputGrad(start, m), self.download(input_grads, computed, "grad", m))
-        return input_grads
+    # -- downloads and the end of the job -------------------------------------------------
 
-    def fetch_grad(self, layer: int, m: int) -> Slot:
-        handoff = self.mailbox.get(InputGrad(layer, m))
-        return self.upload(handoff, f"grad {layer}", m, requires_grad=False)
+    def download_value(self, op: DeviceOp, stream: Stream) -> None:
+        source, key, device = self.results[op.inputs[0]], op.key, self.device
+        what = _WHAT[type(key)](key)
+        host = Slot()
 
-    # -- weights -------------------------------------------------------------------------
+        def download() -> None:
+            with failure_site(f"{self.name}: download of {what}, microbatch {op.microbatch}"):
+                host.value = download_tree(device, stream, source.value.pop(key))
 
-    def write_back_buffers(self) -> None:
-        layers = [self.worker.layers[i] for i in self.job.layers]
-        gated = [layer.index for layer in layers if layer.index in self.worker.buffer_gates]
-        if not gated:
-            return
-        hosts = {uid: t for layer in layers for uid, t in layer.host_buffers().items()}
-        on_device = Slot()
+        stream.submit(download, self.info(op, "download", f"{what} mb{op.microbatch}"))
+        self.mailbox.post(key, Handoff(host, stream.record()))
 
-        def take() -> None:
-            on_device.value = dict(self.weights.value[1])
+    def take_buffers(self, op: DeviceOp, stream: Stream) -> None:
+        slot = self.results[op.index]
 
-        self.device.compute.submit(take, OpInfo("bookkeeping", self.name))
-        downloaded = self.download(on_device, self.mark_compute(), "buffers", None)
+        def take_them() -> None:
+            slot.value = dict(self.weights.value[1])
 
-        def write() -> None:
-            with torch.no_grad():
-                for uid, tensor in downloaded.slot.value.items():
-                    hosts[uid].copy_(tensor)
+        stream.submit(take_them, self.info(op, "bookkeeping", self.name))
 
-        def write_and_open_gates() -> None:
-            try:
-                write()
-            finally:
-                self.worker.open_buffer_gates(self.call, self.job)
+    def take_grads(self, op: DeviceOp, stream: Stream) -> None:
+        slot, store = self.results[op.index], self.worker.store
 
-        def failed(error: BaseException) -> None:
-            self.worker.open_buffer_gates(self.call, self.job)
-            self.call.latch.fail(self.job.index, error)
-
-        self.worker.after([downloaded.event], write_and_open_gates, on_error=failed)
-
-    def download_param_grads(self) -> None:
-        store = self.worker.store
-        grads = Slot()
-
-        def take() -> None:
+        def take_them() -> None:
             params = self.weights.value[0]
-            grads.value = {
+            slot.value = {
                 uid: t.grad
                 for uid, t in params.items()
                 if store.trainable(uid) and t.grad is not None
             }
 
-        self.device.compute.submit(take, OpInfo("bookkeeping", self.name))
-        downloaded = self.download(grads, self.mark_compute(), "param grads", None)
+        stream.submit(take_them, self.info(op, "bookkeeping", self.name))
+
+    def download_whole(self, op: DeviceOp, stream: Stream, what: str) -> Handoff:
+        source, host, device = self.results[op.inputs[0]], Slot(), self.device
+
+        def download() -> None:
+            with failure_site(f"{self.name}: download of {what}"):
+                host.value = download_tree(device, stream, take(source))
+
+        stream.submit(download, self.info(op, "download", f"{what} mbNone"))
+        return Handoff(host, stream.record())
+
+    def write_back(self, op: DeviceOp, stream: Stream) -> None:
+        layers = [self.worker.layers[i] for i in self.job.layers]
+        hosts = {uid: t for layer in layers for uid, t in layer.host_buffers().items()}
+        downloaded = self.download_whole(op, stream, "buffers")
+        call, job, worker = self.call, self.job, self.worker
+
+        def write_and_open_gates() -> None:
+            try:
+                with torch.no_grad():
+                    for uid, tensor in downloaded.slot.value.items():
+                        hosts[uid].copy_(tensor)
+            finally:
+                worker.open_buffer_gates(call, job)
+
+        def failed(error: BaseException) -> None:
+            worker.open_buffer_gates(call, job)
+            call.latch.fail(job.index, error)
+
+        worker.after([downloaded.event], write_and_open_gates, on_error=failed)
+
+    def download_grads(self, op: DeviceOp, stream: Stream) -> None:
+        downloaded = self.download_whole(op, stream, "param grads")
+        call, job, worker = self.call, self.job, self.worker
 
         def accumulate() -> None:
             # The optimizer may still be consuming the previous step's gradients.
-            self.worker.versions.published.wait_for(self.call.steps_before)
+            worker.versions.published.wait_for(call.steps_before)
             grads = downloaded.slot.value
             if grads:
-                self.call.accumulated = True
+                call.accumulated = True
             for uid, grad in grads.items():
-                store.accumulate_grad(uid, grad, self.call.loss_scale)
+                worker.store.accumulate_grad(uid, grad, call.loss_scale)
 
-        call = self.call
-        self.worker.after(
-            [downloaded.event],
-            accumulate,
-            on_error=lambda error: call.latch.fail(self.job.index, error),
+        worker.after(
+            [downloaded.event], accumulate, on_error=lambda error: call.latch.fail(job.index, error)
         )
 
-    def release(self) -> None:
-        self.weights.value = None
+    def release(self, op: DeviceOp, stream: Stream) -> None:
+        def release() -> None:
+            self.weights.value = None
 
-    # -- activations -------------------------------------------------------------------
-
-    def upload_input(self, key: Activation, requires_grad: bool, label: int | None = None) -> Slot:
-        handoff = self.mailbox.get(key)
-        slot = self.upload(handoff, f"act {key.layer}", key.microbatch, requires_grad)
-        if label is None:
-            return slot
-        labelled = Slot()
-        host_label = self.call.labels[label] if self.call.labels is not None else None
-        device, stream = self.device, self.device.act_upload
-
-        def attach() -> None:
-            labelled.value = (slot.value, upload_tree(device, stream, host_label, False))
-            slot.value = None
-
-        stream.submit(attach, OpInfo("upload", "label"))
-        self.device.compute.wait(stream.record())
-        return labelled
-
-    def upload(self, handoff: Handoff, what: str, m: int, requires_grad: bool) -> Slot:
-        device, stream = self.device, self.device.act_upload
-        if handoff.event is not None:
-            stream.wait(handoff.event)
-        marks = self.worker.compute_marks
-        if len(marks) == 2:
-            # At most one microbatch uploaded ahead of compute, counted when issued (the
-            # upload's memory is taken then): wait on the host for the compute two back.
-            marks[0].wait(None)
-        slot = Slot()
-
-        def upload() -> None:
-            with failure_site(f"{self.name}: upload of {what}, microbatch {m}"):
-                slot.value = upload_tree(device, stream, handoff.slot.value, requires_grad)
-
-        stream.submit(upload, OpInfo("upload", f"{what} mb{m}"))
-        self.device.compute.wait(stream.record())
-        return slot
-
-    def download(self, slot: Slot, after: Event, what: str, m: int | None) -> Handoff:
-        device, stream = self.device, self.device.download
-        stream.wait(after)
-        host = Slot()
-
-        def download() -> None:
-            with failure_site(f"{self.name}: download of {what}, microbatch {m}"):
-                host.value = download_tree(device, stream, slot.value)
-                slot.value = None
-
-        stream.submit(download, OpInfo("download", f"{what} mb{m}"))
-        return Handoff(host, stream.record())
-
-    # -- compute -------------------------------------------------------------------------
-
-    def compute(self, fn: Callable[[], None], kind: str, m: int, layers: range | None = None):
-        layers = layers if layers is not None else self.job.layers
-        info = OpInfo(kind, f"{self.name} mb{m}", layers=tuple(layers), job=self.job.index)
-        device = self.device
-
-        where = f"{self.name}, {kind} of microbatch {m}"
-        if len(layers) == 1:
-            where += f" ({self.worker.layers[layers.start]})"
-
-        def op() -> None:
-            with failure_site(where), device.compute_scope(info):
-                fn()
-
-        device.compute.submit(op, info)
-
-    def mark_compute(self) -> Event:
-        event = self.device.compute.record()
-        self.worker.compute_marks.append(event)
-        return event
-
-    def timed(self, kind: str, layers: range, fn: Callable[[], object]):
-        """Inside a compute op: run ``fn``, model its kernel time, record its duration."""
-        timer = self.device.timer()
-        timer.start()
-        result = fn()
-        self.device.model_kernel_time(OpInfo(kind, layers=tuple(layers)))
-        timer.stop()
-        self.timings.append((kind, tuple(layers), timer))
-        return result
-
-    def run_layer(self, index: int, value, m: int, kind: str):
-        layer = self.worker.layers[index]
-        params, buffers = self.weights.value
-        shell = layer.shell(self.device.index)
-        layer.bind(shell, params, buffers, check_on_device=self.device.is_on_device)
-        args, kwargs = value
-        try:
-            with failure_site(f"{layer} in {self.name}, microbatch {m}"):
-                output = self.timed(kind, range(index, index + 1), lambda: shell(*args, **kwargs))
-                return ((output,), {})
-        finally:
-            layer.unbind(shell)
+        stream.submit(release, self.info(op, "release", self.name))
 
 
-def _check_loss(loss) -> None:
-    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-        raise TypeError(
-            f"loss_fn must return a scalar tensor, got {type(loss).__name__}"
-            + (f" of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else "")
-        )
-    if not loss.requires_grad:
-        raise RuntimeError(
-            "loss_fn returned a tensor that does not require grad (was it detached, or "
-            "computed under torch.no_grad()?); with no trainable parameter in the model "
-            "there is nothing to train: use model(x) under torch.no_grad() for inference"
-        )
+_WHAT = {
+    Activation: lambda key: f"act {key.layer}",
+    InputGrad: lambda key: "grad",
+    Loss: lambda key: "loss",
+    Output: lambda key: "output",
+}
+
+_HANDLERS: dict[str, Callable[[JobIssuer, DeviceOp, Stream], None]] = {
+    P.UPLOAD_INPUT: JobIssuer.upload_input,
+    P.UPLOAD_LABEL: JobIssuer.upload_label,
+    P.UPLOAD_GRAD: JobIssuer.upload_grad,
+    P.FORWARD: JobIssuer.forward,
+    P.FUSED: JobIssuer.fused,
+    P.RECOMPUTE: JobIssuer.recompute,
+    P.BACKWARD: JobIssuer.backward,
+    P.DOWNLOAD_VALUE: JobIssuer.download_value,
+    P.TAKE_BUFFERS: JobIssuer.take_buffers,
+    P.WRITE_BACK: JobIssuer.write_back,
+    P.TAKE_GRADS: JobIssuer.take_grads,
+    P.DOWNLOAD_GRADS: JobIssuer.download_grads,
+    P.RELEASE: JobIssuer.release,
+}

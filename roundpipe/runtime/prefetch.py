@@ -18,6 +18,7 @@ copies in issue order:
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -25,6 +26,7 @@ import torch
 
 from ..devices import Event, OpInfo, Slot
 from ..errors import failure_site
+from ..program import UPLOAD_BUFFERS, JobProgram, job_program
 from ..schedule import Job, JobKind
 from .call import Call
 from .transfer import plan_chunks
@@ -43,8 +45,11 @@ class StageWeights:
     """Recorded on the weight-upload stream after the last copy."""
 
 
-def upload_stage_weights(worker: DeviceWorker, call: Call, job: Job, name: str) -> StageWeights:
-    """Allocate ``job``'s weights on the device now and issue their upload."""
+def upload_stage_weights(
+    worker: DeviceWorker, call: Call, job: Job, name: str
+) -> tuple[JobProgram, StageWeights]:
+    """Lower ``job`` to its program, allocate its weights on the device now and issue
+    the program's weight ops."""
     device, store, versions = worker.device, worker.store, worker.versions
     stream = device.weight_upload
     versions.published.wait_for(call.weights_version)
@@ -68,30 +73,38 @@ def upload_stage_weights(worker: DeviceWorker, call: Call, job: Job, name: str) 
     for tensor in [*params.values(), *on_device.values()]:
         device.keep_alive(tensor, device.compute)
 
-    copied: Event | None = None
-    for chunk in plan_chunks(
+    pieces = plan_chunks(
         [t.numel() for t in sources], [t.element_size() for t in sources], call.chunk_bytes
-    ):
+    )
+    writes_back = job.kind is not JobKind.BACKWARD and any(
+        i in worker.buffer_gates for i in job.layers
+    )
+    program = job_program(job, call.shape, len(pieces), bool(buffers), writes_back)
 
-        def upload_chunk(chunk=chunk) -> None:
-            with failure_site(where):
-                for index, first, end in chunk:
-                    flat = params[uids[index]].detach().view(-1)
-                    device.copy_in(flat[first:end], sources[index].reshape(-1)[first:end], stream)
-
-        if call.gate_chunks:
-            if copied is not None:
-                copied.wait(None)  # on the host: the chunk before has been copied
-            stream.wait(device.act_upload.record())
-        nbytes = sum((end - first) * sources[i].element_size() for i, first, end in chunk)
-        stream.submit(upload_chunk, OpInfo("upload", f"weights {name}", nbytes, job=job.index))
-        copied = stream.record()
+    def upload_chunk(chunk) -> None:
+        with failure_site(where):
+            for index, first, end in chunk:
+                flat = params[uids[index]].detach().view(-1)
+                device.copy_in(flat[first:end], sources[index].reshape(-1)[first:end], stream)
 
     def upload_buffers() -> None:
         with failure_site(f"{name}: buffer upload on device {device!r}"), torch.no_grad():
             for uid, host in buffers.items():
                 device.copy_in(on_device[uid], host, stream)
 
-    if buffers:
-        stream.submit(upload_buffers, OpInfo("upload", f"buffers {name}"))
-    return StageWeights(Slot((params, on_device)), stream.record())
+    copied: Event | None = None
+    for op in program.weight_ops:
+        if op.kind == UPLOAD_BUFFERS:
+            info = OpInfo("upload", f"buffers {name}", job=job.index, op=op.index)
+            stream.submit(upload_buffers, info)
+            continue
+        chunk = pieces[op.chunk]
+        if call.gate_chunks:
+            if copied is not None:
+                copied.wait(None)  # on the host: the chunk before has been copied
+            stream.wait(device.act_upload.record())
+        nbytes = sum((end - first) * sources[i].element_size() for i, first, end in chunk)
+        info = OpInfo("upload", f"weights {name}", nbytes, job=job.index, op=op.index)
+        stream.submit(functools.partial(upload_chunk, chunk), info)
+        copied = stream.record()
+    return program, StageWeights(Slot((params, on_device)), stream.record())

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 
 from ..devices import Device, Event
 from ..errors import locate
+from ..program import JobProgram
 from ..schedule import Job, JobKind
 from .call import Call
 from .issuer import JobIssuer, job_name
@@ -50,6 +51,7 @@ class DeviceJob:
     call: Call
     job: Job
     claimed: bool = False
+    program: JobProgram | None = None
     weights: StageWeights | None = None
     error: BaseException | None = None
     """Why the weights could not be issued (the issue thread fails the job with it)."""
@@ -159,7 +161,7 @@ class DeviceWorker:
             record.claimed = True
             if len(self._prefetched) > call.prefetch_stages:
                 self._prefetched[-call.prefetch_stages - 1].wait_until_finished()
-            record.weights = upload_stage_weights(self, call, job, job_name(job))
+            record.program, record.weights = upload_stage_weights(self, call, job, job_name(job))
         except BaseException as exc:  # noqa: BLE001 - handed to the issue thread
             record.error = locate(exc, f"{job_name(job)} on device {self.device!r}")
         finally:
@@ -176,7 +178,7 @@ class DeviceWorker:
         error = record.error
         timings: list = []
         if error is None:
-            issuer = JobIssuer(self, call, job, record.weights)
+            issuer = JobIssuer(self, call, job, record.program, record.weights)
             timings = issuer.timings
             try:
                 issuer.issue()

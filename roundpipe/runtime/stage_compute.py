@@ -1,0 +1,134 @@
+"""The bodies of a job's compute ops: forward, fused, recompute and backward.
+
+Each function here runs *inside* a compute op on the device (never on the issuing
+thread) and returns the op's result: a dict of handoff key → value for ops whose
+values other ops download or read, or the recompute's ``(inputs, outputs)`` graph.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ..devices import OpInfo, Slot, Timer
+from ..errors import failure_site
+from ..keys import Activation, InputGrad, Loss, Output, RngState
+from .transfer import grads_of_inputs, inplace_safe, pair_outputs_with_grads
+
+if TYPE_CHECKING:
+    from .issuer import JobIssuer
+
+
+def take(slot: Slot) -> Any:
+    """The value of ``slot``, emptied so device memory is freed as soon as possible."""
+    value, slot.value = slot.value, None
+    return value
+
+
+class StageCompute:
+    """Runs a job's layers on its device; records layer timings for the profiler."""
+
+    def __init__(self, issuer: JobIssuer) -> None:
+        self.issuer = issuer
+        self.device = issuer.device
+        self.call = issuer.call
+        self.job = issuer.job
+        self.layers = issuer.worker.layers
+        self.timings: list[tuple[str, tuple[int, ...], Timer]] = []
+
+    def forward(self, m: int, value: Slot) -> dict:
+        job, call, shape = self.job, self.call, self.call.shape
+        saves, rng = set(shape.forward_saves(job)), set(shape.rng_layers(job))
+        out: dict = {}
+        x = take(value)
+        with torch.no_grad(), call.autocast.scope():
+            for i in job.layers:
+                if i in rng:
+                    out[RngState(i, m)] = self.device.get_rng_state()
+                if i in saves:  # a copy: a later layer may modify its input in place
+                    out[Activation(i, m)] = inplace_safe(x, clone_all=True)
+                x = self.run_layer(i, x, m, "forward")
+        out[Activation(job.layers.stop, m)] = x
+        return out
+
+    def fused(self, m: int, value: Slot, label: Slot) -> dict:
+        job, call = self.job, self.call
+        inputs, target = take(value), take(label)
+        with torch.enable_grad():
+            with call.autocast.scope():
+                x = inplace_safe(inputs)
+                for i in job.layers:
+                    x = self.run_layer(i, x, m, "forward")
+                with failure_site(f"loss_fn in {self.issuer.name}, microbatch {m}"):
+                    loss = call.loss_fn(x[0][0], target)
+                    _check_loss(loss)
+            scaled = loss if call.loss_scale is None else loss * call.loss_scale
+            with failure_site(f"{self.issuer.name}, backward of microbatch {m}"):
+                self.timed("backward", job.layers, scaled.backward)
+        out = {Loss(m): loss.detach(), Output(m): x[0][0] if call.return_outputs else None}
+        if job.layers.start > 0:
+            out[InputGrad(job.layers.start, m)] = grads_of_inputs(inputs)
+        return out
+
+    def recompute(self, m: int, layers: range, value: Slot, rng: Slot | None) -> tuple:
+        call = self.call
+        inputs = take(value)
+        with torch.enable_grad(), call.autocast.scope():
+            current = self.device.get_rng_state() if rng is not None else None
+            if rng is not None:
+                self.device.set_rng_state(rng.value)
+            try:
+                x = inplace_safe(inputs)
+                for i in layers:
+                    x = self.run_layer(i, x, m, "recompute")
+            finally:
+                if current is not None:
+                    self.device.set_rng_state(current)
+        return inputs, x
+
+    def backward(self, m: int, layers: range, graph: Slot, incoming: Callable[[], Any]) -> dict:
+        inputs, outputs = take(graph)
+        tensors, grads = pair_outputs_with_grads(outputs, incoming())
+        if tensors:
+            self.timed("backward", layers, lambda: torch.autograd.backward(tensors, grads))
+        grad = grads_of_inputs(inputs) if layers.start > 0 else None
+        return {InputGrad(layers.start, m): grad}
+
+    def timed(self, kind: str, layers: range, fn: Callable[[], object]):
+        """Run ``fn``, model its kernel time, record its duration."""
+        timer = self.device.timer()
+        timer.start()
+        result = fn()
+        self.device.model_kernel_time(OpInfo(kind, layers=tuple(layers)))
+        timer.stop()
+        self.timings.append((kind, tuple(layers), timer))
+        return result
+
+    def run_layer(self, index: int, value, m: int, kind: str):
+        layer = self.layers[index]
+        params, buffers = self.issuer.weights.value
+        shell = layer.shell(self.device.index)
+        layer.bind(shell, params, buffers, check_on_device=self.device.is_on_device)
+        args, kwargs = value
+        try:
+            with failure_site(f"{layer} in {self.issuer.name}, microbatch {m}"):
+                output = self.timed(kind, range(index, index + 1), lambda: shell(*args, **kwargs))
+                return ((output,), {})
+        finally:
+            layer.unbind(shell)
+
+
+def _check_loss(loss) -> None:
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        raise TypeError(
+            f"loss_fn must return a scalar tensor, got {type(loss).__name__}"
+            + (f" of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else "")
+        )
+    if not loss.requires_grad:
+        raise RuntimeError(
+            "loss_fn returned a tensor that does not require grad (was it detached, or "
+            "computed under torch.no_grad()?); with no trainable parameter in the model "
+            "there is nothing to train: use model(x) under torch.no_grad() for inference"
+        )

@@ -1,0 +1,485 @@
+"""The emulated backend is never kinder than a GPU: its memory, copy-engine and bus models.
+
+The runtime is developed and tested mostly on :class:`EmulatedDevicePool`. A schedule
+that is only correct, fast or within memory because the emulator is more forgiving
+than CUDA would pass here and fail on real hardware, so each model the emulator
+claims is pinned down directly, at the device API, below the runtime:
+
+- **Issue-time memory.** ``Device.allocate`` takes memory when the host calls it (as
+  CUDA's caching allocator does), not when a stream op runs, and goes over capacity
+  with ``torch.OutOfMemoryError`` naming the device, even with every stream idle or
+  blocked.
+- **Poisoned blocks.** Memory handed out is NaN / all bits set / True, so a read of
+  memory nobody wrote gives a wrong result instead of a lucky zero.
+- **record_stream.** A freed tensor kept alive on other streams stays counted until
+  the work issued on those streams before the free has run.
+- **FIFO copy engines.** One copy at a time per direction per device, the
+  earliest-issued *ready* copy first; no stream priorities, so an activation upload
+  does not jump ahead of weight chunks issued before it.
+- **Bandwidth.** Copies take at least their modelled time, and all devices share one
+  host-memory bus.
+- **Sticky errors** do not leave the copy engine held.
+
+Time is asserted against generous fractions of the modelled durations (the machine
+running the tests may be small and busy); every wait has a timeout so that a broken
+model fails instead of hanging.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+import pytest
+import torch
+
+import roundpipe.devices.emulated_memory as emulated_memory
+from roundpipe.devices import EmulatedDevicePool, EmulatedOptions, OpInfo, Slot
+
+TIMEOUT_S = 10.0
+MB = 1_000_000  # bandwidths are in GB/s = 1e9 bytes per second
+
+
+def floats(nbytes: int) -> torch.Tensor:
+    """A host tensor of ``nbytes`` bytes of float32 ones."""
+    return torch.ones(nbytes // 4)
+
+
+class Harness:
+    """Pools and host-side gates for one test; everything is released at teardown.
+
+    ``submit`` numbers the ops it submits in issue order, which is the ticket the pool
+    gives them, as long as every op of the pool is submitted through it."""
+
+    def __init__(self) -> None:
+        self.pools: list[EmulatedDevicePool] = []
+        self.gates: list[threading.Event] = []
+        self.issued: dict[int, int] = {}  # id(pool) -> ops submitted so far
+
+    def pool(self, n: int = 1, **options) -> EmulatedDevicePool:
+        pool = EmulatedDevicePool(n, EmulatedOptions(**options))
+        self.pools.append(pool)
+        self.issued[id(pool)] = 0
+        return pool
+
+    def submit(self, stream, fn: Callable[[], None], label: str = "") -> int:
+        """Submit ``fn`` on ``stream``; its ticket."""
+        pool = stream.device.pool
+        ticket = self.issued[id(pool)]
+        self.issued[id(pool)] += 1
+        stream.submit(fn, OpInfo("upload", label))
+        return ticket
+
+    def block(self, stream, release: threading.Event | None = None) -> threading.Event:
+        """Submit an op that holds ``stream`` until the returned event is set."""
+        release = release or threading.Event()
+        self.gates.append(release)
+
+        def gate() -> None:
+            if not release.wait(TIMEOUT_S):
+                raise TimeoutError("a test gate was never released")
+
+        self.submit(stream, gate, "gate")
+        return release
+
+    def copy(
+        self,
+        stream,
+        nbytes: int,
+        log: dict | None = None,
+        name: str = "",
+        started: threading.Event | None = None,
+    ) -> int:
+        """Submit an op copying ``nbytes`` host→device on ``stream``; its ticket.
+
+        The destination is allocated now, on the host, so the op does nothing but copy;
+        ``log[name]`` gets (op reached its copy, copy done) as perf_counter times; the
+        first includes no wait for the engine, the second does."""
+        device = stream.device
+        src = floats(nbytes)
+        dst = device.allocate(src, stream)
+
+        def op() -> None:
+            if started is not None:
+                started.set()
+            start = time.perf_counter()
+            device.copy_in(dst, src, stream)
+            if log is not None:
+                log[name] = (start, time.perf_counter())
+
+        return self.submit(stream, op, name)
+
+    def close(self) -> None:
+        for gate in self.gates:
+            gate.set()
+        # A stream thread stuck in a copy engine would hang ``close`` (it joins them).
+        closer = threading.Thread(target=lambda: [pool.close() for pool in self.pools])
+        closer.daemon = True
+        closer.start()
+        closer.join(TIMEOUT_S)
+        if closer.is_alive():
+            pytest.fail("a stream thread did not stop: stuck waiting for a copy engine?")
+
+
+@pytest.fixture
+def harness() -> Iterator[Harness]:
+    h = Harness()
+    try:
+        yield h
+    finally:
+        h.close()
+
+
+def drain(*streams) -> None:
+    """Wait (with a timeout) until everything issued on ``streams`` has run."""
+    for stream in streams:
+        assert stream.record().wait(TIMEOUT_S), f"stream {stream.name} did not drain"
+
+
+# -- issue-time memory ---------------------------------------------------------------
+
+
+def test_allocate_takes_memory_when_the_host_calls_it(harness):
+    capacity = 1_000_000
+    pool = harness.pool(2, capacity_bytes=capacity)
+    device = pool.devices[1]
+    ran = threading.Event()
+    release = harness.block(device.weight_upload)
+    harness.submit(device.weight_upload, ran.set)
+
+    first = device.allocate(floats(600_000), device.weight_upload)
+    assert device.memory_allocated() == 600_000  # charged now, though nothing has run
+    assert not ran.is_set()
+    assert pool.devices[0].memory_allocated() == 0  # charged to its own device only
+
+    with pytest.raises(torch.OutOfMemoryError, match="emulated device 1"):
+        device.allocate(floats(600_000), device.act_upload)
+    assert not ran.is_set()  # the check is against what the host issued, not what ran
+    assert device.memory_allocated() == 600_000  # a refused allocation takes nothing
+    assert device.max_memory_allocated() == 600_000
+
+    del first
+    release.set()
+    drain(device.weight_upload)
+    assert ran.is_set()
+    assert device.memory_allocated() == 0
+    device.allocate(floats(capacity), device.act_upload)  # the whole capacity is free again
+
+
+def test_empty_like_over_capacity_fails_its_op_with_out_of_memory(harness):
+    pool = harness.pool(1, capacity_bytes=1_000_000)
+    device = pool.devices[0]
+    held = device.allocate(floats(600_000), device.weight_upload)
+
+    def op() -> None:
+        device.empty_like(floats(600_000))
+
+    harness.submit(device.act_upload, op)
+    with pytest.raises(torch.OutOfMemoryError, match="emulated device 0"):
+        device.act_upload.record().synchronize()
+    del held
+    assert device.memory_allocated() == 0
+
+
+# -- poisoned memory -----------------------------------------------------------------
+
+POISON = [
+    (torch.float32, lambda t: bool(t.isnan().all())),
+    (torch.float16, lambda t: bool(t.isnan().all())),
+    (torch.bfloat16, lambda t: bool(t.isnan().all())),
+    (torch.int64, lambda t: bool((t == -1).all())),
+    (torch.int32, lambda t: bool((t == -1).all())),
+    (torch.uint8, lambda t: bool((t == 255).all())),
+    (torch.bool, lambda t: bool(t.all())),
+]
+
+
+@pytest.mark.parametrize(("dtype", "poisoned"), POISON, ids=[str(d) for d, _ in POISON])
+def test_memory_is_handed_out_poisoned(harness, dtype, poisoned):
+    device = harness.pool(1).devices[0]
+    host = torch.zeros(64, 33, dtype=dtype).t()  # zeros, and not contiguous
+    from_host = device.allocate(host, device.weight_upload)
+    slot = Slot()
+
+    def op() -> None:
+        slot.value = device.empty_like(host)
+
+    harness.submit(device.act_upload, op)
+    drain(device.act_upload)
+    for tensor in (from_host, slot.value):
+        assert tensor.dtype == dtype and tensor.shape == host.shape
+        assert tensor.is_contiguous()
+        assert poisoned(tensor)
+
+
+def test_poisoning_can_be_turned_off(harness, monkeypatch):
+    calls = []
+    real = emulated_memory.poison
+    monkeypatch.setattr(emulated_memory, "poison", lambda t: calls.append(t) or real(t))
+    host = torch.zeros(16)
+
+    device = harness.pool(1).devices[0]
+    device.allocate(host, device.weight_upload)
+    assert len(calls) == 1  # the default poisons (the patch is in effect)
+
+    device = harness.pool(1, poison_memory=False, capacity_bytes=1000).devices[0]
+    tensor = device.allocate(host, device.weight_upload)
+    assert not calls[1:]  # not poisoned; its contents are simply not guaranteed
+    assert tensor.shape == host.shape and device.memory_allocated() == 64  # still counted
+
+
+# -- record_stream -------------------------------------------------------------------
+
+
+def test_a_freed_tensor_stays_counted_until_its_other_streams_ran(harness):
+    device = harness.pool(1).devices[0]
+    release = harness.block(device.compute)
+    tensor = device.allocate(floats(4000), device.weight_upload)
+    device.keep_alive(tensor, device.compute)
+    del tensor
+    # the compute work issued before the free may still read it
+    assert device.memory_allocated() == 4000
+    time.sleep(0.02)
+    assert device.memory_allocated() == 4000
+    release.set()
+    drain(device.compute)
+    assert device.memory_allocated() == 0
+
+
+def test_a_freed_tensor_waits_for_every_stream_it_was_used_on(harness):
+    device = harness.pool(1).devices[0]
+    compute, download = harness.block(device.compute), harness.block(device.download)
+    tensor = device.allocate(floats(4000), device.act_upload)
+    device.keep_alive(tensor, device.compute)
+    device.keep_alive(tensor, device.download)
+    device.keep_alive(tensor, device.act_upload)  # its own stream: no wait needed
+    del tensor
+    compute.set()
+    drain(device.compute)
+    assert device.memory_allocated() == 4000  # the download stream may still read it
+    download.set()
+    drain(device.download)
+    assert device.memory_allocated() == 0
+
+
+def test_without_keep_alive_the_bytes_return_at_once(harness):
+    device = harness.pool(1).devices[0]
+    harness.block(device.compute)
+    tensor = device.allocate(floats(4000), device.weight_upload)
+    assert device.memory_allocated() == 4000
+    del tensor
+    assert device.memory_allocated() == 0
+
+
+def test_a_tensor_freed_by_the_stream_that_used_it_returns_at_once(harness):
+    """Freed inside an op of its keep_alive stream: that stream's earlier work has run."""
+    device = harness.pool(1).devices[0]
+    slot = Slot(device.allocate(floats(4000), device.act_upload))
+    device.keep_alive(slot.value, device.compute)
+    seen = Slot()
+
+    def op() -> None:
+        slot.value = None
+        seen.value = device.memory_allocated()
+
+    harness.block(device.download)  # an unrelated busy stream changes nothing
+    harness.submit(device.compute, op)
+    drain(device.compute)
+    assert seen.value == 0
+
+
+# -- FIFO copy engines ---------------------------------------------------------------
+
+GBPS = 0.1  # slow, so that threads have time to reach their copies: 1 MB takes 10 ms
+
+
+def test_the_earliest_issued_ready_copy_goes_first(harness):
+    device = harness.pool(1, h2d_gbps=GBPS).devices[0]
+    device.h2d.record_order = True
+    log: dict = {}
+    copying = threading.Event()
+    release = harness.block(device.act_upload)
+    w1 = harness.copy(device.weight_upload, 8 * MB, log, "w1", started=copying)  # 80 ms
+    a1 = harness.copy(device.act_upload, 1 * MB, log, "a1")  # behind the blocked stream
+    w2 = harness.copy(device.weight_upload, 1 * MB, log, "w2")
+    assert copying.wait(TIMEOUT_S)
+    time.sleep(0.01)  # let w1 reach the engine
+    release.set()  # a1 becomes ready while w1 is copying; w2 is ready once w1 ends
+    drain(device.weight_upload, device.act_upload)
+    assert device.h2d.served == [w1, a1, w2]  # a1 was issued before w2: no weight priority
+    # (start is when the op reached its copy, end when the copy was done)
+    assert log["w2"][1] - log["a1"][1] >= 0.7 * 1 * MB / (GBPS * 1e9)
+
+
+def test_an_activation_upload_does_not_jump_ahead_of_chunks_issued_before_it(harness):
+    """Chunks 2-4 are not copying yet when the activation copy becomes ready, but were
+    issued before it, and each is ready the moment the one before it has been copied."""
+    device = harness.pool(1, h2d_gbps=GBPS).devices[0]
+    device.h2d.record_order = True
+    log: dict = {}
+    copying = threading.Event()
+    release = harness.block(device.act_upload)
+    chunks = [harness.copy(device.weight_upload, 6 * MB, log, "w1", started=copying)]
+    chunks += [harness.copy(device.weight_upload, 4 * MB, log, f"w{i}") for i in (2, 3, 4)]
+    act = harness.copy(device.act_upload, 1 * MB, log, "act")
+    assert copying.wait(TIMEOUT_S)
+    time.sleep(0.01)  # let chunk 1 reach the engine
+    release.set()  # act is ready about 50 ms before chunk 1 ends
+    drain(device.weight_upload, device.act_upload)
+    assert device.h2d.served == [*chunks, act]
+    # (start is when the op reached its copy, end when the copy was done)
+    assert log["act"][1] - log["w4"][1] >= 0.7 * 1 * MB / (GBPS * 1e9)
+    assert log["act"][1] - log["act"][0] >= 0.7 * 13 * MB / (GBPS * 1e9)  # chunks 2-4 too
+
+
+def test_an_earlier_copy_that_is_not_ready_does_not_hold_back_a_later_one(harness):
+    """A copy whose stream waits on an unfinished event is not ready; when the engine
+    frees up it serves the later-issued ready copy instead of idling."""
+    device = harness.pool(1, h2d_gbps=GBPS).devices[0]
+    device.h2d.record_order = True
+    log: dict = {}
+    copying = threading.Event()
+    compute, act_gate = harness.block(device.compute), harness.block(device.act_upload)
+    w0 = harness.copy(device.weight_upload, 4 * MB, log, "w0", started=copying)  # 40 ms
+    device.weight_upload.wait(device.compute.record())
+    w1 = harness.copy(device.weight_upload, 1 * MB, log, "w1")
+    a = harness.copy(device.act_upload, 1 * MB, log, "a")
+    assert copying.wait(TIMEOUT_S)
+    time.sleep(0.01)  # let w0 reach the engine
+    act_gate.set()  # a waits for w0; w1 is issued before a but waits for the compute stream
+    drain(device.act_upload)
+    assert "w1" not in log
+    compute.set()
+    drain(device.weight_upload)
+    assert device.h2d.served == [w0, a, w1]
+
+
+SLOW_BYTES, SLOW_GBPS = 2 * MB, 0.025
+SLOW_COPY_S = SLOW_BYTES / (SLOW_GBPS * 1e9)  # 80 ms: long against scheduling noise,
+# and small tensors, so that the real memcpy costs little CPU
+
+
+def concurrent_copies(harness, pool, jobs: list[tuple[int, str]]) -> float:
+    """Copy ``SLOW_BYTES`` on each (device index, stream name) at once: the ops are all
+    issued behind one gate first. Seconds from the first op reaching its copy to the
+    last copy done. "download" copies device→host, the upload streams host→device."""
+    log: dict = {}
+    release = threading.Event()
+    streams = [pool.devices[index].streams[name] for index, name in jobs]
+    for stream in dict.fromkeys(streams):
+        harness.block(stream, release)
+    for i, stream in enumerate(streams):
+        if stream.name != "download":
+            harness.copy(stream, SLOW_BYTES, log, i)
+            continue
+        device = stream.device
+        tensor = device.allocate(floats(SLOW_BYTES), stream)
+
+        def download(device=device, stream=stream, tensor=tensor, i=i) -> None:
+            start = time.perf_counter()
+            device.to_host(tensor, stream)
+            log[i] = (start, time.perf_counter())
+
+        harness.submit(stream, download)
+    release.set()
+    drain(*streams)
+    assert len(log) == len(jobs)
+    return max(end for _, end in log.values()) - min(start for start, _ in log.values())
+
+
+def test_an_engine_copies_one_at_a_time_and_directions_are_separate(harness):
+    pool = harness.pool(1, h2d_gbps=SLOW_GBPS, d2h_gbps=SLOW_GBPS)
+    both_h2d = concurrent_copies(harness, pool, [(0, "weight_upload"), (0, "act_upload")])
+    assert both_h2d >= 0.7 * 2 * SLOW_COPY_S
+    h2d_and_d2h = concurrent_copies(harness, pool, [(0, "weight_upload"), (0, "download")])
+    assert h2d_and_d2h >= 0.7 * SLOW_COPY_S
+    assert h2d_and_d2h < 0.75 * both_h2d
+
+
+# -- bandwidth -----------------------------------------------------------------------
+
+
+def test_a_copy_takes_at_least_its_modelled_time(harness):
+    nbytes, gbps = 8 * MB, 0.5
+    modelled = nbytes / (gbps * 1e9)  # 16 ms
+    device = harness.pool(1, h2d_gbps=gbps, d2h_gbps=gbps).devices[0]
+    log: dict = {}
+    harness.copy(device.weight_upload, nbytes, log, "h2d")
+    on_device = device.allocate(floats(nbytes), device.download)
+    back = Slot()
+
+    def download() -> None:
+        start = time.perf_counter()
+        back.value = device.to_host(on_device, device.download)
+        log["d2h"] = (start, time.perf_counter())
+
+    harness.submit(device.download, download)
+    drain(device.weight_upload, device.download)
+    for direction in ("h2d", "d2h"):
+        start, end = log[direction]
+        assert end - start >= 0.7 * modelled, direction
+        assert end - start < 2.0, direction  # modelled, not stuck
+    torch.testing.assert_close(back.value, on_device, equal_nan=True)
+
+
+def test_all_devices_share_the_host_memory_bus(harness):
+    jobs = [(i, "weight_upload") for i in range(4)]
+    pool = harness.pool(4, h2d_gbps=SLOW_GBPS, host_gbps=SLOW_GBPS)
+    shared = concurrent_copies(harness, pool, jobs)
+    assert shared >= 0.7 * 4 * SLOW_COPY_S
+    unshared = concurrent_copies(harness, harness.pool(4, h2d_gbps=SLOW_GBPS), jobs)
+    assert unshared >= 0.7 * SLOW_COPY_S
+    assert unshared < 0.6 * shared
+
+
+def test_both_directions_share_the_host_memory_bus(harness):
+    pool = harness.pool(2, h2d_gbps=SLOW_GBPS, d2h_gbps=SLOW_GBPS, host_gbps=SLOW_GBPS)
+    shared = concurrent_copies(harness, pool, [(0, "weight_upload"), (1, "download")])
+    assert shared >= 0.7 * 2 * SLOW_COPY_S
+
+
+# -- sticky errors -------------------------------------------------------------------
+
+
+def test_a_failed_copy_op_does_not_wedge_the_engine(harness):
+    device = harness.pool(1, h2d_gbps=GBPS).devices[0]
+    device.h2d.record_order = True
+    src = floats(1 * MB)
+    dst = device.allocate(src, device.weight_upload)
+
+    def copy_then_fail() -> None:
+        device.copy_in(dst, src, device.weight_upload)
+        raise RuntimeError("boom")
+
+    w0 = harness.copy(device.weight_upload, 1 * MB)
+    failing = harness.submit(device.weight_upload, copy_then_fail)  # held once w0 ends
+    harness.copy(device.weight_upload, 1 * MB)  # skipped: the stream's error is sticky
+    harness.submit(device.weight_upload, lambda: None)  # held next, skipped as well
+    act = harness.copy(device.act_upload, 1 * MB)
+    assert device.act_upload.record().wait(TIMEOUT_S), "the act copy is stuck behind a failure"
+    with pytest.raises(RuntimeError, match="boom"):
+        device.weight_upload.record().synchronize()
+    assert device.h2d.served == [w0, failing, act]
+
+    pool = device.pool
+    pool.clear_errors()
+    again = harness.copy(device.weight_upload, 1 * MB)
+    device.weight_upload.record().synchronize()
+    assert device.h2d.served[-1] == again
+
+
+def test_an_op_failing_before_its_copy_releases_the_engine(harness):
+    """The op after a copy on the same stream is held as ready; if it fails before
+    copying anything, the engine must still move on."""
+    device = harness.pool(1, h2d_gbps=GBPS).devices[0]
+    harness.copy(device.weight_upload, 1 * MB)
+
+    def fail() -> None:
+        raise ValueError("failed before copying")
+
+    harness.submit(device.weight_upload, fail)
+    harness.copy(device.act_upload, 1 * MB)
+    assert device.act_upload.record().wait(TIMEOUT_S)
+    with pytest.raises(ValueError, match="before copying"):
+        device.weight_upload.record().synchronize()
