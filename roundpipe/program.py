@@ -253,5 +253,34 @@ class _Builder:
         self.add(RELEASE, COMPUTE)
 
 
+def plan_chunks(
+    numels: list[int], element_sizes: list[int], limit: int | None
+) -> list[list[tuple[int, int, int]]]:
+    """Cut tensors of ``numels`` elements into upload chunks of at most ``limit`` bytes.
+
+    Returns chunks of ``(tensor index, first element, end element)`` pieces: small
+    tensors are grouped, a tensor larger than ``limit`` is split into flat slices.
+    ``limit=None`` gives one chunk holding everything.
+    """
+    sizes = list(zip(numels, element_sizes, strict=True))
+    if limit is None:
+        return [[(i, 0, count) for i, (count, _) in enumerate(sizes)]] if sizes else []
+    chunks: list[list[tuple[int, int, int]]] = []
+    room = 0
+    for index, (count, element) in enumerate(sizes):
+        start = 0
+        while True:
+            if room < element or not chunks:
+                chunks.append([])
+                room = limit
+            take = min(count - start, max(room // element, 1))
+            chunks[-1].append((index, start, start + take))
+            room -= take * element
+            start += take
+            if start >= count:
+                break
+    return chunks
+
+
 def _key_name(key: HandoffKey) -> str:
     return f"{type(key).__name__}({','.join(str(v) for v in astuple(key))})"

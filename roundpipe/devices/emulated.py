@@ -143,6 +143,7 @@ class _EmulatedStream(Stream):
         # reentrant: a tensor freed while the lock is held may record an event here
         self._cond = threading.Condition(threading.RLock())
         self._thread: threading.Thread | None = None
+        self._busy = False  # the thread is handling an item
         self._start_lock = threading.Lock()
         self._rng = random.Random(seed)
 
@@ -160,13 +161,21 @@ class _EmulatedStream(Stream):
     def _put(self, item) -> None:
         self._ensure_thread()
         with self._cond:
+            if self.engine is not None and item is not _STOP and item[0] == "run" and self._idle():
+                # nothing stands before it: its copies are ready now, as on a GPU
+                self.engine.op_started(item[2][1])
             self._items.append(item)
             self._cond.notify()
+
+    def _idle(self) -> bool:
+        """Under the lock: no item queued and none being run."""
+        return not self._items and not self._busy
 
     def _take(self):
         with self._cond:
             while not self._items:
                 self._cond.wait()
+            self._busy = True
             return self._items.popleft()
 
     def _next_ready_ticket(self) -> int | None:
@@ -221,6 +230,8 @@ class _EmulatedStream(Stream):
                     self._run_op(payload, issued[0], issued[1])
                 if self.engine is not None:
                     self.engine.op_finished(issued[1], self._next_ready_ticket())
+            with self._cond:
+                self._busy = False
 
     def _run_op(self, fn: Callable[[], None], info: OpInfo, ticket: int) -> None:
         _RUNNING.ticket = ticket

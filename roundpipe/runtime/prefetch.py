@@ -26,10 +26,9 @@ import torch
 
 from ..devices import Event, OpInfo, Slot
 from ..errors import failure_site
-from ..program import UPLOAD_BUFFERS, JobProgram, job_program
+from ..program import UPLOAD_BUFFERS, JobProgram, job_program, plan_chunks
 from ..schedule import Job, JobKind
 from .call import Call
-from .transfer import plan_chunks
 
 if TYPE_CHECKING:
     from .worker import DeviceWorker

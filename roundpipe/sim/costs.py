@@ -134,6 +134,8 @@ class CostModel:
     optimizer_time: float = 0.0
     grad_bytes_ratio: float = 1.0
     device_optimizer_ratio: float = 0.0
+    weight_chunk_bytes: int | None = 256 * 2**20
+    """Weight uploads are cut into chunks of at most this size, as the runtime does."""
 
     def upload_time(self, num_bytes: float) -> float:
         return num_bytes / self.h2d_bandwidth

@@ -16,6 +16,7 @@ from ..timeline import Span
 
 COMPUTE = "compute"
 H2D = "h2d"
+ACT_H2D = "h2d_act"
 D2H = "d2h"
 OPTIMIZER = "optimizer"
 
@@ -55,6 +56,8 @@ class Timing:
     end: float
     exposed_transfer: float
     """How much later the op started than it would have with free transfers."""
+    ready: float = 0.0
+    """When its dependencies were met (a transfer that took no time would end here)."""
 
 
 def run(ops: Sequence[Op]) -> dict[Hashable, Timing]:
@@ -100,12 +103,14 @@ def spans(ops: Sequence[Op], timings: dict[Hashable, Timing]) -> list[Span]:
 
 def _time(op: Op, stream_free: float, timings: dict[Hashable, Timing]) -> Timing:
     start = without_transfers = stream_free
+    ready = 0.0
     for dep in op.deps:
-        end = timings[dep.key].end
-        start = max(start, end + dep.lag)
-        if not dep.transfer:
-            without_transfers = max(without_transfers, end)
-    return Timing(start, start + op.duration, max(0.0, start - without_transfers))
+        timing = timings[dep.key]
+        ready = max(ready, timing.end + dep.lag)
+        # a transfer that took no time would have ended when it was ready to start
+        without_transfers = max(without_transfers, timing.ready if dep.transfer else timing.end)
+    start = max(start, ready)
+    return Timing(start, start + op.duration, max(0.0, start - without_transfers), ready)
 
 
 def _deadlock_message(queues, heads, timings) -> str:

@@ -29,19 +29,19 @@ import math
 from collections.abc import Hashable
 from dataclasses import dataclass, field
 
+from .. import program as P
+from ..keys import Activation, HandoffKey, Loss
 from ..plan import Plan
+from ..program import CallShape, DeviceOp, JobProgram, job_program, plan_chunks, recompute_inputs
 from ..schedule import Job, JobKind, Schedule, lower
 from ..timeline import HOST, Timeline
 from . import engine
 from .costs import CostModel
-from .engine import COMPUTE, D2H, H2D, OPTIMIZER, Dep, Op
+from .engine import ACT_H2D, COMPUTE, D2H, H2D, OPTIMIZER, Dep, Op
 from .result import SimResult, bubbles, busy_time, compute_makespan, peak_memory
 
 STEADY_ITERATIONS = 4
 """Iterations simulated to measure the steady state (the first ones are warm-up)."""
-
-_OUTPUT_OP = {JobKind.FORWARD: "f", JobKind.FUSED: "x", JobKind.BACKWARD: "b"}
-"""Suffix of the op that produces a job's per-microbatch output."""
 
 
 def round_sizes(num_microbatches: int, round_size: int) -> list[int]:
@@ -83,7 +83,7 @@ def simulate_roundpipe(
     single = _Simulation(config)
     single.add_iterations(num_microbatches, 1, first_device)
     timings = engine.run(single.ops)
-    spans = engine.spans(single.ops, timings)
+    spans = [s for s in engine.spans(single.ops, timings) if s.kind not in _BOOKKEEPING]
     makespan = compute_makespan(spans)
     iteration_time = steady_iteration_time(
         plan,
@@ -143,7 +143,7 @@ class _Config:
 
 @dataclass
 class _Simulation:
-    """Builds the op list of successive rounds and iterations."""
+    """Builds the op list of successive rounds and iterations from the jobs' programs."""
 
     config: _Config
     ops: list[Op] = field(default_factory=list)
@@ -183,12 +183,20 @@ class _Simulation:
         round_id = self._rounds
         self._rounds += 1
         gate = self._round_gate(iteration, first)
+        saved = recompute_inputs(schedule, "stage", forward_only=False, deferred=False)
+        shape = CallShape(size, "stage", saved, preserve_rng_state=False, return_outputs=False)
+        producers: dict[HandoffKey, Hashable] = {}
         for job in schedule.jobs:
-            upload = self._add_upload(job, round_id, iteration, gate)
-            self._add_compute(job, round_id, iteration, size, upload, gate)
-            done = self._add_download(job, round_id, size, iteration, last)
-            self._done_keys.setdefault(job.device, []).append(done)
-        self._loss_key = (round_id, _fused_index(schedule), size - 1, "x")
+            chunks = self._chunks(job)
+            program = job_program(job, shape, len(chunks), has_buffers=False, writes_back=False)
+            self._add_program(program, chunks, round_id, iteration, gate, producers, last)
+        self._loss_key = producers[Loss(size - 1)]
+
+    def _chunks(self, job: Job) -> list[int]:
+        """Bytes of each weight chunk of ``job`` (at least one chunk, maybe empty)."""
+        sizes = [self.config.costs.layers.param_bytes[i] for i in job.layers]
+        chunks = plan_chunks(sizes, [1] * len(sizes), self.config.costs.weight_chunk_bytes)
+        return [sum(end - first for _, first, end in chunk) for chunk in chunks] or [0]
 
     def _round_gate(self, iteration: int, first: bool) -> tuple[Dep, ...]:
         """What the host waits for before it dispatches this round."""
@@ -197,152 +205,113 @@ class _Simulation:
             gate += [Dep(key) for _, key in self._optimizer_ops.get(iteration - 1, [])]
         return tuple(gate)
 
-    def _add_upload(
-        self, job: Job, round_id: int, iteration: int, gate: tuple[Dep, ...]
-    ) -> Hashable:
-        costs = self.config.costs
-        key = (round_id, job.index, "upload")
-        deps = list(gate)
+    def _add_program(
+        self,
+        program: JobProgram,
+        chunks: list[int],
+        round_id: int,
+        iteration: int,
+        gate: tuple[Dep, ...],
+        producers: dict[HandoffKey, Hashable],
+        last: bool,
+    ) -> None:
+        job, ops = program.job, program.ops
+        keys = [(round_id, job.index, op.index) for op in ops]
+        for op in ops:
+            deps = [Dep(keys[i], transfer=ops[i].stream != P.COMPUTE) for i in op.inputs]
+            if op.host_wait is not None:
+                deps.append(Dep(keys[op.host_wait]))
+            if op.key is not None and op.key in producers:
+                deps.append(Dep(producers[op.key]))
+            if op.kind == P.UPLOAD_WEIGHTS and op.chunk == 0:
+                deps += self._weight_deps(job, iteration)
+            if not op.inputs:
+                deps += gate
+            kind, label = self._name(op, job, round_id)
+            self._add(
+                keys[op.index],
+                job.device,
+                _STREAMS[op.stream],
+                kind,
+                label,
+                self._duration(op, job, chunks),
+                deps,
+            )
+            if op.kind == P.DOWNLOAD_VALUE:
+                producers[op.key] = keys[op.index]
+            for key in op.posts:
+                producers[key] = keys[op.index]
+            if op.kind in P.COMPUTES:
+                self._compute_keys.setdefault(iteration, []).append(keys[op.index])
+            if op.kind == P.DOWNLOAD_GRADS and last:
+                self._add_optimizer(job, iteration, keys[op.index])
+        self._add_memory(program, keys)
+        self._done_keys.setdefault(job.device, []).append(keys[-1])
+
+    def _weight_deps(self, job: Job, iteration: int) -> list[Dep]:
+        """A stage's weights are allocated once the job two back on the device finished,
+        and (asynchronous optimizer) read the weights updated two steps back."""
+        deps = []
         done = self._done_keys.get(job.device, [])
-        if len(done) >= 2:  # at most two stages resident: wait for the one two jobs back
+        if len(done) >= 2:
             deps.append(Dep(done[-2]))
-        # Async: this iteration runs on weights one step stale, i.e. updated two steps back.
         stale_step = iteration - 2 if self.config.is_async else iteration - 1
         for layers, opt_key in self._optimizer_ops.get(stale_step, []):
             if set(layers) & set(job.layers):
                 deps.append(Dep(opt_key))
-        size = costs.layers.stage_param_bytes(job.layers)
-        self._add(
-            key,
-            job.device,
-            H2D,
-            "upload",
-            f"upload {job}",
-            costs.upload_time(size),
-            deps,
-        )
-        return key
+        return deps
 
-    def _add_compute(
-        self,
-        job: Job,
-        round_id: int,
-        iteration: int,
-        size: int,
-        upload: Hashable,
-        gate: tuple[Dep, ...],
-    ) -> None:
+    def _duration(self, op: DeviceOp, job: Job, chunks: list[int]) -> float:
         costs = self.config.costs
         layers = costs.layers
-        weights_ready = Dep(upload, transfer=True)
-        for mb in range(size):
-            incoming = (
-                (
-                    Dep(
-                        (round_id, job.input_from, mb, self._output_op(job.input_from)),
-                        costs.comm,
-                    ),
-                )
-                if job.input_from is not None
-                else gate
+        if op.kind == P.UPLOAD_WEIGHTS:
+            return costs.upload_time(chunks[op.chunk])
+        if op.kind in (P.UPLOAD_INPUT, P.UPLOAD_GRAD):
+            from_caller = isinstance(op.key, Activation) and op.key.layer == 0
+            return 0.0 if from_caller else costs.comm  # a hop: device -> host -> device
+        if op.kind == P.DOWNLOAD_GRADS:
+            return costs.download_time(
+                layers.stage_param_bytes(job.layers) * costs.grad_bytes_ratio
             )
-            name = f"{job} mb{mb} r{round_id}"
-            if job.kind is JobKind.FORWARD:
-                key = (round_id, job.index, mb, "f")
-                duration = layers.stage_forward(job.layers)
-                self._add(
-                    key,
-                    job.device,
-                    COMPUTE,
-                    "forward",
-                    name,
-                    duration,
-                    [weights_ready, *incoming],
-                )
-                working = max(layers.activation_bytes[i] for i in job.layers)
-                self._memory.append((job.device, key, key, working))
-            elif job.kind is JobKind.FUSED:
-                key = (round_id, job.index, mb, "x")
-                duration = layers.stage_forward(job.layers) + layers.stage_backward(job.layers)
-                self._add(
-                    key,
-                    job.device,
-                    COMPUTE,
-                    "fused",
-                    name,
-                    duration,
-                    [weights_ready, *incoming],
-                )
-                self._memory.append(
-                    (job.device, key, key, layers.stage_activation_bytes(job.layers))
-                )
-            else:
-                saved = Dep((round_id, job.saved_input_from, mb, "f"), costs.comm)
-                recompute = (round_id, job.index, mb, "r")
-                key = (round_id, job.index, mb, "b")
-                self._add(
-                    recompute,
-                    job.device,
-                    COMPUTE,
-                    "recompute",
-                    name,
-                    layers.stage_recompute(job.layers),
-                    [weights_ready, saved],
-                )
-                self._add(
-                    key,
-                    job.device,
-                    COMPUTE,
-                    "backward",
-                    name,
-                    layers.stage_backward(job.layers),
-                    incoming,
-                )
-                self._memory.append(
-                    (
-                        job.device,
-                        recompute,
-                        key,
-                        layers.stage_activation_bytes(job.layers),
-                    )
-                )
-                self._compute_keys.setdefault(iteration, []).append(recompute)
-            self._compute_keys.setdefault(iteration, []).append(key)
+        compute = {
+            P.FORWARD: layers.stage_forward,
+            P.RECOMPUTE: layers.stage_recompute,
+            P.BACKWARD: layers.stage_backward,
+            P.FUSED: lambda r: layers.stage_forward(r) + layers.stage_backward(r),
+        }.get(op.kind)
+        return compute(op.layers) if compute is not None else 0.0
 
-    def _add_download(
-        self, job: Job, round_id: int, size: int, iteration: int, last: bool
-    ) -> Hashable:
-        """Gradient download after a backward job; returns the key that frees the job's memory."""
-        costs = self.config.costs
-        weights = costs.layers.stage_param_bytes(job.layers)
-        last_compute = (round_id, job.index, size - 1, _OUTPUT_OP[job.kind])
-        upload = (round_id, job.index, "upload")
-        if job.kind is JobKind.FORWARD:
-            self._memory.append((job.device, upload, last_compute, weights))
-            return last_compute
-        key = (round_id, job.index, "download")
-        grads = int(weights * costs.grad_bytes_ratio)
-        duration = costs.download_time(grads)
-        self._add(
-            key,
-            job.device,
-            D2H,
-            "download",
-            f"grads {job}",
-            duration,
-            [Dep(last_compute)],
-        )
-        self._memory.append((job.device, upload, key, weights))
-        first_compute = (
-            round_id,
-            job.index,
-            0,
-            "x" if job.kind is JobKind.FUSED else "r",
-        )
-        self._memory.append((job.device, first_compute, key, grads))
-        if last:
-            self._add_optimizer(job, iteration, key)
-        return key
+    def _add_memory(self, program: JobProgram, keys: list[Hashable]) -> None:
+        """Weights from their upload to the release; gradients from the first backward
+        compute to their download; each compute op's working activations."""
+        job, layers = program.job, self.config.costs.layers
+        weights = layers.stage_param_bytes(job.layers)
+        self._memory.append((job.device, keys[0], keys[-1], weights))
+        computes = [op for op in program.ops if op.kind in P.COMPUTES]
+        for op in computes:
+            if op.kind == P.FORWARD:
+                working = max(layers.activation_bytes[i] for i in op.layers)
+                self._memory.append((job.device, keys[op.index], keys[op.index], working))
+            elif op.kind == P.FUSED:
+                working = layers.stage_activation_bytes(op.layers)
+                self._memory.append((job.device, keys[op.index], keys[op.index], working))
+            elif op.kind == P.BACKWARD:
+                graph = op.inputs[0] if program.ops[op.inputs[0]].kind == P.RECOMPUTE else op.index
+                working = layers.stage_activation_bytes(op.layers)
+                self._memory.append((job.device, keys[graph], keys[op.index], working))
+        if job.kind is not JobKind.FORWARD:
+            grads = int(weights * self.config.costs.grad_bytes_ratio)
+            download = next(op for op in program.ops if op.kind == P.DOWNLOAD_GRADS)
+            self._memory.append((job.device, keys[computes[0].index], keys[download.index], grads))
+
+    def _name(self, op: DeviceOp, job: Job, round_id: int) -> tuple[str, str]:
+        """Span kind and label: compute ops by their kind; weight chunks "upload", the
+        gradient download "download", other transfers by their program kind."""
+        if op.kind in P.COMPUTES:
+            return op.kind, f"{job} mb{op.microbatch} r{round_id}"
+        kind = {P.UPLOAD_WEIGHTS: "upload", P.DOWNLOAD_GRADS: "download"}.get(op.kind, op.kind)
+        where = f" mb{op.microbatch}" if op.microbatch is not None else ""
+        return kind, f"{job} {op.kind}{where} r{round_id}"
 
     def _add_optimizer(self, job: Job, iteration: int, download: Hashable) -> None:
         """The host optimizer updates a stage's layers once its last gradients are home."""
@@ -360,16 +329,16 @@ class _Simulation:
         self._add(key, HOST, OPTIMIZER, "optimizer", label, duration, [Dep(download)])
         self._optimizer_ops.setdefault(iteration, []).append((job.layers, key))
 
-    def _output_op(self, job_index: int) -> str:
-        """The per-microbatch op whose end is job ``job_index``'s output."""
-        num_forward = len(self.config.plan.forward)
-        if job_index < num_forward:
-            return "f"
-        return "x" if job_index == num_forward else "b"
-
     def _add(self, key, device, stream, kind, label, duration, deps) -> None:
         self.ops.append(Op(key, device, stream, kind, label, duration, tuple(deps)))
 
 
-def _fused_index(schedule: Schedule) -> int:
-    return next(j.index for j in schedule.jobs if j.kind is JobKind.FUSED)
+_BOOKKEEPING = frozenset({P.TAKE_BUFFERS, P.TAKE_GRADS, P.RELEASE})
+"""Zero-time ops that order the program but are left out of timelines."""
+
+_STREAMS = {
+    P.WEIGHT_UPLOAD: H2D,
+    P.ACT_UPLOAD: ACT_H2D,
+    P.COMPUTE: COMPUTE,
+    P.DOWNLOAD: D2H,
+}
