@@ -50,15 +50,19 @@ class LayerBinding:
         self.param_uids = list(dict.fromkeys(s.uid for s in self.param_slots))
         self.buffer_uids = list(dict.fromkeys(s.uid for s in self.buffer_slots))
         self._shells: dict[int, nn.Module] = {}
+        self._targets: dict[int, _ShellTargets] = {}  # id(shell) -> where tensors go
         self._lock = threading.Lock()
+        self._repr = f"layer {self.index} ({self.name}: {type(self.module).__name__})"
 
     def __repr__(self) -> str:
-        return f"layer {self.index} ({self.name}: {type(self.module).__name__})"
+        return self._repr
 
     def shell(self, device_index: int) -> nn.Module:
         with self._lock:
             if device_index not in self._shells:
-                self._shells[device_index] = self._make_shell()
+                shell = self._make_shell()
+                self._targets[id(shell)] = _ShellTargets(self, shell)
+                self._shells[device_index] = shell
             return self._shells[device_index]
 
     def _make_shell(self) -> nn.Module:
@@ -79,29 +83,38 @@ class LayerBinding:
         check_on_device=None,
     ) -> None:
         """Point the shell's parameters and buffers at device tensors (by host uid)."""
-        for shell_module, host_module in zip(shell.modules(), self.module.modules(), strict=True):
+        targets = self._targets[id(shell)]
+        for shell_module, host_module in targets.modules:
             shell_module.training = host_module.training
-        for slot in self.param_slots:
+        for slot, owner in targets.params:
             tensor = params[slot.uid]
             if check_on_device is not None and not check_on_device(tensor):
                 raise RoundPipeError(
                     f"{self}: parameter {slot.path or '.'}:{slot.name} is not in device "
                     "memory (its upload is missing)"
                 )
-            shell.get_submodule(slot.path)._parameters[slot.name] = tensor
-        for slot in self.buffer_slots:
-            shell.get_submodule(slot.path)._buffers[slot.name] = buffers[slot.uid]
+            owner[slot.name] = tensor
+        for slot, owner in targets.buffers:
+            owner[slot.name] = buffers[slot.uid]
 
     def unbind(self, shell: nn.Module) -> None:
         """Drop the shell's references to device tensors so their memory can be freed."""
-        for slot in self.param_slots:
-            shell.get_submodule(slot.path)._parameters[slot.name] = None
-        for slot in self.buffer_slots:
-            shell.get_submodule(slot.path)._buffers[slot.name] = None
+        targets = self._targets[id(shell)]
+        for slot, owner in (*targets.params, *targets.buffers):
+            owner[slot.name] = None
 
     def host_buffers(self) -> dict[int, torch.Tensor]:
         """The layer's buffers in host memory, by uid."""
         return {id(b): b for b in self.module.buffers()}
+
+
+class _ShellTargets:
+    """Where a shell's tensors go: found once, not on every bind."""
+
+    def __init__(self, layer: LayerBinding, shell: nn.Module) -> None:
+        self.modules = list(zip(shell.modules(), layer.module.modules(), strict=True))
+        self.params = [(s, shell.get_submodule(s.path)._parameters) for s in layer.param_slots]
+        self.buffers = [(s, shell.get_submodule(s.path)._buffers) for s in layer.buffer_slots]
 
 
 def sequential_layers(model: nn.Module) -> list[LayerBinding]:

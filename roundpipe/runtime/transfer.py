@@ -14,7 +14,25 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from ..devices import Device, Stream
 
 
+def _plain_tensors(tree: Any) -> bool:
+    """``tree`` is ``((tensor, ...), {})``, what crosses most stage boundaries."""
+    return (
+        type(tree) is tuple
+        and len(tree) == 2
+        and type(tree[0]) is tuple
+        and type(tree[1]) is dict
+        and not tree[1]
+        and all(isinstance(t, torch.Tensor) for t in tree[0])
+    )
+
+
 def _map_unique(tree: Any, fn) -> Any:
+    if _plain_tensors(tree):  # fast path, same result as below
+        moved: dict[int, torch.Tensor] = {}
+        for t in tree[0]:
+            if id(t) not in moved:
+                moved[id(t)] = fn(t)
+        return tuple(moved[id(t)] for t in tree[0]), {}
     leaves, spec = tree_flatten(tree)
     moved: dict[int, torch.Tensor] = {}
     out = []
@@ -60,7 +78,7 @@ def inplace_safe(tree: Any, clone_all: bool = False) -> Any:
 
 
 def _unique_tensors(tree: Any) -> list[torch.Tensor]:
-    leaves, _ = tree_flatten(tree)
+    leaves = list(tree[0]) if _plain_tensors(tree) else tree_flatten(tree)[0]
     seen: dict[int, torch.Tensor] = {}
     for leaf in leaves:
         if isinstance(leaf, torch.Tensor):
