@@ -64,7 +64,8 @@ class EmulatedOptions:
     kernel_time: Callable[[OpInfo], float] | None = None
     """Modelled seconds of a layer's kernels: called with ``OpInfo(kind, layers=...)``
     for each layer's forward (kind "forward" or "recompute") and each stage's
-    backward (kind "backward", all the stage's layers)."""
+    backward (kind "backward", all the stage's layers). A compute op then lasts the
+    sum of its layers' modelled times, or its real host time if that is longer."""
     jitter_s: float = 0.0
     """Upper bound of a random delay inserted before every stream op."""
     seed: int = 0
@@ -245,11 +246,14 @@ class _EmulatedStream(Stream):
             self.error = exc
         finally:
             _RUNNING.ticket = -1
-        # Modelled kernel time is slept here, after the op released any lock it held.
+        # The op lasts as long as its modelled kernels, slept here after it released any
+        # lock it held. The host work of running it counts towards that time, as a GPU
+        # kernel runs while the host launches the next: only what is left is slept.
         modelled = self.device.modelled
         owed, modelled.pending = modelled.pending, 0.0
-        if owed > 0:
-            time.sleep(owed)
+        left = owed - (time.perf_counter() - start)
+        if left > 0:
+            time.sleep(left)
         self.device.pool.record_span(self.device.index, self.name, info, start)
 
 

@@ -3,8 +3,12 @@
 Every schedule (RoundPipe and the baselines) is expressed the same way: each
 ``(device, stream)`` pair is an in-order queue of :class:`Op` values, and an op
 starts when its stream is free and every dependency has ended (plus a lag, e.g.
-the activation's transfer time). The engine replays the queues in dependency
-order, so a schedule that could deadlock is reported instead of mis-timed.
+the activation's transfer time). Queues may share a *resource* (``Op.resource``):
+two streams whose copies go through one copy engine. A resource runs one op at a
+time; when several queues' heads wait for it, the one that can start first goes,
+ties broken by ``Op.priority`` (lower first), then by order in the op list. The
+engine replays the queues in time order, so a schedule that could deadlock is
+reported instead of mis-timed.
 """
 
 from __future__ import annotations
@@ -48,6 +52,9 @@ class Op:
     label: str
     duration: float
     deps: tuple[Dep, ...] = ()
+    resource: Hashable | None = None
+    """Shared with other queues (e.g. a device's host-to-device copy engine); None: its own."""
+    priority: int = 0
 
 
 @dataclass(frozen=True)
@@ -62,18 +69,64 @@ class Timing:
 
 def run(ops: Sequence[Op]) -> dict[Hashable, Timing]:
     """Time every op; ops on the same ``(device, stream)`` run in the given order."""
-    queues: dict[tuple[int, str], list[Op]] = {}
-    for op in ops:
-        queues.setdefault((op.device, op.stream), []).append(op)
+    queues: dict[tuple[int, str], list[tuple[int, Op]]] = {}
+    for order, op in enumerate(ops):
+        queues.setdefault((op.device, op.stream), []).append((order, op))
+    if not any(op.resource is not None for op in ops):
+        return _run_independent(queues, len(ops))
+    heads = dict.fromkeys(queues, 0)
+    free = dict.fromkeys(queues, 0.0)
+    busy: dict[Hashable, float] = {}
+    timings: dict[Hashable, Timing] = {}
+    sharing: dict[Hashable, list[tuple[int, str]]] = {}
+    for queue_key, queue in queues.items():
+        for resource in {op.resource for _, op in queue if op.resource is not None}:
+            sharing.setdefault(resource, []).append(queue_key)
+    candidates: dict[tuple[int, str], tuple] = {}  # queue -> (rank, op, timing) of its head
+    blocked: dict[Hashable, list[tuple[int, str]]] = {}  # missing dep -> queues waiting
+
+    def consider(queue_key: tuple[int, str]) -> None:
+        candidates.pop(queue_key, None)
+        queue = queues[queue_key]
+        if heads[queue_key] == len(queue):
+            return
+        order, op = queue[heads[queue_key]]
+        missing = next((dep.key for dep in op.deps if dep.key not in timings), None)
+        if missing is not None:
+            blocked.setdefault(missing, []).append(queue_key)
+            return
+        timing = _time(op, max(free[queue_key], busy.get(op.resource, 0.0)), timings)
+        candidates[queue_key] = ((timing.start, op.priority, order), op, timing)
+
+    for queue_key in queues:
+        consider(queue_key)
+    for _ in range(len(ops)):
+        if not candidates:
+            raise SimulationError(_deadlock_message(queues, heads, timings))
+        queue_key = min(candidates, key=lambda q: candidates[q][0])
+        _, op, timing = candidates.pop(queue_key)
+        timings[op.key] = timing
+        free[queue_key] = timing.end
+        heads[queue_key] += 1
+        touched = {queue_key, *blocked.pop(op.key, ())}
+        if op.resource is not None:
+            busy[op.resource] = timing.end
+            touched.update(q for q in sharing[op.resource] if q in candidates)
+        for touched_key in touched:
+            consider(touched_key)
+    return timings
+
+
+def _run_independent(queues, remaining: int) -> dict[Hashable, Timing]:
+    """No shared resources: each queue can be timed as far as its dependencies allow."""
     heads = dict.fromkeys(queues, 0)
     free = dict.fromkeys(queues, 0.0)
     timings: dict[Hashable, Timing] = {}
-    remaining = len(ops)
     while remaining:
         progressed = False
         for queue_key, queue in queues.items():
             while heads[queue_key] < len(queue):
-                op = queue[heads[queue_key]]
+                op = queue[heads[queue_key]][1]
                 if not all(dep.key in timings for dep in op.deps):
                     break
                 timing = _time(op, free[queue_key], timings)
@@ -117,7 +170,7 @@ def _deadlock_message(queues, heads, timings) -> str:
     blocked = []
     for queue_key, queue in queues.items():
         if heads[queue_key] < len(queue):
-            op = queue[heads[queue_key]]
+            op = queue[heads[queue_key]][1]
             missing = [d.key for d in op.deps if d.key not in timings]
             blocked.append(f"{op.label} on device {op.device}/{op.stream} waits for {missing[:3]}")
     return "the schedule deadlocks: " + "; ".join(blocked[:6])

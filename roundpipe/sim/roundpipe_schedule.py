@@ -228,14 +228,21 @@ class _Simulation:
             if not op.inputs:
                 deps += gate
             kind, label = self._name(op, job, round_id)
-            self._add(
-                keys[op.index],
-                job.device,
-                _STREAMS[op.stream],
-                kind,
-                label,
-                self._duration(op, job, chunks),
-                deps,
+            # weights and activations share the device's host-to-device copy engine;
+            # activations go first when both wait (the runtime gates weight chunks)
+            engine_ = ("h2d", job.device) if op.stream in _H2D_STREAMS else None
+            self.ops.append(
+                Op(
+                    keys[op.index],
+                    job.device,
+                    _STREAMS[op.stream],
+                    kind,
+                    label,
+                    self._duration(op, job, chunks),
+                    tuple(deps),
+                    resource=engine_,
+                    priority=int(op.stream == P.WEIGHT_UPLOAD),
+                )
             )
             if op.kind == P.DOWNLOAD_VALUE:
                 producers[op.key] = keys[op.index]
@@ -335,6 +342,8 @@ class _Simulation:
 
 _BOOKKEEPING = frozenset({P.TAKE_BUFFERS, P.TAKE_GRADS, P.RELEASE})
 """Zero-time ops that order the program but are left out of timelines."""
+
+_H2D_STREAMS = frozenset({P.WEIGHT_UPLOAD, P.ACT_UPLOAD})
 
 _STREAMS = {
     P.WEIGHT_UPLOAD: H2D,
