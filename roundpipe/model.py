@@ -410,6 +410,8 @@ class RoundPipe(nn.Module):
         """The GradScaler's current scale, which this call's losses are multiplied by."""
         if self.grad_scaler is None or not self.grad_scaler.is_enabled():
             return None
-        # scale() creates the scaler's state on first use; its step() insists on it.
-        self.grad_scaler.scale(torch.ones((), device=self.pool.devices[0].torch_device))
+        # scale() creates the scaler's state on first use; its step() insists on it. On
+        # the host, where the masters and their gradients live: reading it is then no
+        # device synchronisation, once per call.
+        self.grad_scaler.scale(torch.ones(()))
         return float(self.grad_scaler.get_scale())

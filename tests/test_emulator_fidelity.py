@@ -289,6 +289,26 @@ def test_a_tensor_freed_by_the_stream_that_used_it_returns_at_once(harness):
     assert seen.value == 0
 
 
+def test_memory_lives_as_long_as_any_tensor_using_it(harness):
+    """Freed when the storage dies, as on CUDA: an alias or a view keeps it in use, and
+    keep_alive through a view marks the block it views."""
+    device = harness.pool(1).devices[0]
+    tensor = device.allocate(floats(4000), device.weight_upload)
+    alias, view = tensor.detach(), tensor.view(10, 100)
+    assert device.is_on_device(alias) and device.is_on_device(view)
+    del tensor
+    assert device.memory_allocated() == 4000
+    del alias
+    assert device.memory_allocated() == 4000
+    release = harness.block(device.compute)
+    device.keep_alive(view, device.compute)
+    del view
+    assert device.memory_allocated() == 4000  # compute may still read it
+    release.set()
+    drain(device.compute)
+    assert device.memory_allocated() == 0
+
+
 # -- FIFO copy engines ---------------------------------------------------------------
 
 GBPS = 0.1  # slow, so that threads have time to reach their copies: 1 MB takes 10 ms

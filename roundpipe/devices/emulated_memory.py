@@ -34,6 +34,21 @@ def poison(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
+def _storage_objects_preserved() -> bool:
+    t = torch.empty(1)
+    return t.untyped_storage() is t.untyped_storage()
+
+
+_BY_STORAGE = _storage_objects_preserved()
+
+
+def _owner(tensor: torch.Tensor) -> object:
+    """What owns a block's memory: its storage (freed when the last tensor using it,
+    views and ``detach()`` aliases included, dies). PyTorch versions that do not keep
+    one Python object per storage fall back to the tensor object handed out."""
+    return tensor.untyped_storage() if _BY_STORAGE else tensor
+
+
 class _Block:
     __slots__ = ("nbytes", "stream", "uses")
 
@@ -61,10 +76,7 @@ class DeviceMemory:
         self._in_use = 0
         self._peak = 0
         self._pending: list[tuple[int, list]] = []  # (bytes, events) of frees not yet reusable
-        self._blocks: dict[int, _Block] = {}  # id(tensor) -> block, while the tensor lives
-        self._resident: weakref.WeakValueDictionary[int, torch.Tensor] = (
-            weakref.WeakValueDictionary()
-        )
+        self._blocks: dict[int, _Block] = {}  # id(owner) -> block, while the memory lives
         self.closed = False
 
     # -- allocation ----------------------------------------------------------------
@@ -85,20 +97,19 @@ class DeviceMemory:
         if self.poison_blocks:
             poison(tensor)
         block = _Block(nbytes, stream)
-        key = id(tensor)
+        owner = _owner(tensor)
+        key = id(owner)
         self._blocks[key] = block
-        self._resident[key] = tensor
-        weakref.finalize(tensor, self._free, key, block)
+        weakref.finalize(owner, self._free, key, block)
         return tensor
 
     def keep_alive(self, tensor: torch.Tensor, stream) -> None:
-        block = self._blocks.get(id(tensor))
-        known = block is not None and self._resident.get(id(tensor)) is tensor
-        if known and stream is not block.stream and stream not in block.uses:
+        block = self._blocks.get(id(_owner(tensor)))
+        if block is not None and stream is not block.stream and stream not in block.uses:
             block.uses.append(stream)
 
     def is_resident(self, tensor: torch.Tensor) -> bool:
-        return self._resident.get(id(tensor)) is tensor
+        return id(_owner(tensor)) in self._blocks
 
     def _free(self, key: int, block: _Block) -> None:
         """The block's tensor died (on any thread, possibly inside an op)."""
