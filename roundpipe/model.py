@@ -60,6 +60,7 @@ class RoundPipe(nn.Module):
         pin_model: str = "auto",
         emulated_options: EmulatedOptions | None = None,
         grad_scaler: torch.amp.GradScaler | None = None,
+        _param_names: dict[int, str] | None = None,
     ) -> None:
         super().__init__()
         model_run_config = checked_run_config(model_run_config, "model_run_config")
@@ -88,6 +89,7 @@ class RoundPipe(nn.Module):
             pin_model,
             grad_scaler,
             self.profiler,
+            _param_names,
         )
         # Stops the threads of a model collected without close(); holds no reference to it.
         self._finalizer = weakref.finalize(self, finalize_unclosed, self._session)
@@ -97,6 +99,16 @@ class RoundPipe(nn.Module):
         self.planner = AutoPlanner(self.profiler, None if None in capacities else capacities)
         self._cursor = 0
         self._optimizer_view = 0
+
+    @classmethod
+    def from_hf(cls, model: nn.Module, **options: Any) -> RoundPipe:
+        """Wrap a Hugging Face ``*ForCausalLM`` (Llama, Mistral, Qwen2, Qwen3 families):
+        its embedding, decoder layers and head become the layers, its own modules; its
+        loss is computed exactly (see :mod:`roundpipe.hf.pipe`). ``options`` are those of
+        ``RoundPipe(...)``."""
+        from .hf.pipe import from_hf
+
+        return from_hf(model, **options)
 
     # -- introspection ----------------------------------------------------------------
 

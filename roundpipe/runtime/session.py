@@ -98,11 +98,14 @@ class Session:
         pin_model: str,
         grad_scaler,
         profiler: LayerProfiler,
+        param_names: dict[int, str] | None = None,
     ) -> Session:
-        """The host state and threads (not started yet) of a model wrapped on ``pool``."""
-        names: dict[int, str] = {}
-        for name, param in model.named_parameters(remove_duplicate=False):
-            names.setdefault(id(param), name)
+        """The host state and threads (not started yet) of a model wrapped on ``pool``;
+        parameters are named by ``param_names`` (by ``id``) or as ``model`` names them."""
+        names: dict[int, str] = dict(param_names or {})
+        if not names:
+            for name, param in model.named_parameters(remove_duplicate=False):
+                names.setdefault(id(param), name)
         pin = functools.partial(pool.pin, mode=pin_model)
         store = ParameterStore(layers, names, optim_dtype, pin=pin)
         versions = WeightVersions(store, pin)

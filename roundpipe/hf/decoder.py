@@ -1,0 +1,147 @@
+"""A Hugging Face decoder-only causal LM cut into RoundPipe layers.
+
+One generic adapter serves every supported family: an embedding layer, one layer per
+decoder layer, and a head (final norm, LM head and the loss). The layers hold the
+model's own modules, so its parameters are trained in place and keep their names.
+
+What crosses a stage boundary is ``(hidden, attention_mask, labels)``: the hidden
+states (the only tensor that needs a gradient), the B×S 0/1 attention mask and the
+labels (integers). Each decoder layer rebuilds what it needs from them on its device:
+position ids, rotary tables and the causal/padding mask, as the model's own forward
+builds them — so nothing O(S²) travels between stages.
+
+The head computes the cross-entropy of the shifted labels in chunks of tokens, each
+recomputed in backward (``torch.utils.checkpoint``), so the fp32 logits of the whole
+sequence never exist at once. It returns the *sum* of the token losses of its
+microbatch; the caller divides by the number of label tokens in the whole batch,
+which makes the call's loss the batch mean ``model(**batch).loss`` computes.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+from torch.utils.checkpoint import checkpoint
+
+from .families import Family
+
+IGNORE_INDEX = -100
+LOSS_CHUNK_TOKENS = 4096
+
+
+def _mask_kwargs() -> str:
+    """The name transformers' mask builders give the KV-cache argument."""
+    from transformers.masking_utils import create_causal_mask
+
+    return (
+        "cache"
+        if "cache" in inspect.signature(create_causal_mask).parameters
+        else "past_key_values"
+    )
+
+
+class EmbedLayer(nn.Module):
+    def __init__(self, embed_tokens: nn.Module) -> None:
+        super().__init__()
+        self.embed_tokens = embed_tokens
+
+    def forward(self, input_ids, attention_mask=None, labels=None):
+        return self.embed_tokens(input_ids), attention_mask, labels
+
+
+class DecoderLayer(nn.Module):
+    """One decoder layer of the model, with its own copy of the rotary embedding (its
+    tables are derived constants, not weights)."""
+
+    def __init__(self, layer: nn.Module, rotary: nn.Module, config, mask_kind: str) -> None:
+        super().__init__()
+        self.layer = layer
+        self.rotary = copy.deepcopy(rotary)
+        self.config = config
+        self.mask_kind = mask_kind
+        self._cache_kwarg = _mask_kwargs()
+
+    def forward(self, state):
+        hidden, attention_mask, labels = state
+        positions = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
+        mask = self._mask(hidden, attention_mask, positions)
+        cos_sin = self.rotary(hidden, positions)
+        out = self.layer(
+            hidden, attention_mask=mask, position_ids=positions, position_embeddings=cos_sin
+        )
+        hidden = out[0] if isinstance(out, tuple) else out
+        return hidden, attention_mask, labels
+
+    def _mask(self, hidden, attention_mask, positions):
+        from transformers.masking_utils import (
+            create_causal_mask,
+            create_sliding_window_causal_mask,
+        )
+
+        build = (
+            create_sliding_window_causal_mask
+            if self.mask_kind == "sliding_attention"
+            else create_causal_mask
+        )
+        return build(
+            config=self.config,
+            inputs_embeds=hidden,
+            attention_mask=attention_mask,
+            position_ids=positions,
+            **{self._cache_kwarg: None},
+        )
+
+
+class HeadLayer(nn.Module):
+    """Final norm and LM head; with labels, the summed loss of the shifted labels."""
+
+    def __init__(self, norm: nn.Module, lm_head: nn.Linear, chunk_tokens: int) -> None:
+        super().__init__()
+        self.norm = norm
+        self.lm_head = lm_head
+        self.chunk_tokens = chunk_tokens
+
+    def forward(self, state):
+        hidden, _, labels = state
+        hidden = self.norm(hidden)
+        if labels is None:
+            return self.lm_head(hidden)
+        hidden = hidden[:, :-1].reshape(-1, hidden.shape[-1])
+        targets = labels[:, 1:].reshape(-1)
+        total = hidden.new_zeros((), dtype=torch.float32)
+        # The weights are passed in, not read from the module: the recompute runs in
+        # backward, when RoundPipe has already unbound the layer's device tensors.
+        weight, bias = self.lm_head.weight, self.lm_head.bias
+        for start in range(0, targets.numel(), self.chunk_tokens):
+            piece = slice(start, start + self.chunk_tokens)
+            args = (hidden[piece], targets[piece], weight, bias)
+            if torch.is_grad_enabled():
+                loss = checkpoint(_chunk_loss, *args, use_reentrant=False, preserve_rng_state=False)
+            else:
+                loss = _chunk_loss(*args)
+            total = total + loss
+        return total
+
+
+def _chunk_loss(hidden, targets, weight, bias):
+    logits = F.linear(hidden, weight, bias).float()
+    return F.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+def decoder_layers(
+    model: nn.Module, family: Family, chunk_tokens: int = LOSS_CHUNK_TOKENS
+) -> nn.Sequential:
+    """``model`` (a supported ``*ForCausalLM``) as a sequence of RoundPipe layers."""
+    inner = model.get_decoder() if hasattr(model, "get_decoder") else model.model
+    config = model.config
+    layers = [EmbedLayer(inner.embed_tokens)]
+    for index, layer in enumerate(inner.layers[: config.num_hidden_layers]):
+        layers.append(
+            DecoderLayer(layer, inner.rotary_emb, config, family.mask_kind(config, index))
+        )
+    layers.append(HeadLayer(inner.norm, model.get_output_embeddings(), chunk_tokens))
+    return nn.Sequential(*layers)

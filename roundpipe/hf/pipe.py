@@ -1,0 +1,119 @@
+"""``RoundPipe.from_hf``: a Hugging Face causal LM trained with its own loss.
+
+``forward_backward(input_kwargs={"input_ids", "attention_mask", "labels"})`` returns
+what ``model(**batch).loss`` returns for the whole batch: the mean cross-entropy over
+every label token of the batch (labels shifted by one, ``-100`` ignored), not a mean
+of microbatch means, and the gradients of that loss.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..config import RoundPipeRunConfig
+from ..model import RoundPipe
+from .decoder import IGNORE_INDEX, decoder_layers
+from .families import family_of
+
+
+class HFRoundPipe(RoundPipe):
+    """A RoundPipe over a Hugging Face causal LM (build it with ``RoundPipe.from_hf``)."""
+
+    max_positions: int | None = None
+
+    def forward_backward(
+        self,
+        input_args: tuple = (),
+        input_kwargs: dict | None = None,
+        label: Any = None,
+        loss_fn=None,
+        return_outputs: bool = False,
+        run_config: RoundPipeRunConfig | None = None,
+    ):
+        """Forward, loss and backward of the batch ``input_kwargs`` (``input_ids``,
+        optional ``attention_mask``, ``labels``); returns the batch's mean token loss."""
+        if input_args or label is not None or loss_fn is not None or return_outputs:
+            raise TypeError(
+                "a Hugging Face RoundPipe computes the model's own loss: call "
+                "forward_backward(input_kwargs={'input_ids': ..., 'attention_mask': ..., "
+                "'labels': ...}) without input_args, label, loss_fn or return_outputs"
+            )
+        batch = self._checked_batch(input_kwargs, training=True)
+        count = int((batch["labels"][:, 1:] != IGNORE_INDEX).sum())
+        if count == 0:
+            raise ValueError(
+                "the batch has no label token (every label after the first position is "
+                "-100), so its mean loss is undefined"
+            )
+
+        def mean_over_batch(total: torch.Tensor, _label) -> torch.Tensor:
+            return total / count
+
+        return super().forward_backward(
+            input_kwargs=batch, loss_fn=mean_over_batch, run_config=run_config
+        )
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """``pipe(input_ids=..., attention_mask=...)``: the logits, as the model returns them."""
+        if args:
+            raise TypeError("pass the batch by keyword: pipe(input_ids=..., attention_mask=...)")
+        batch = self._checked_batch(kwargs, training=False)
+        return super().forward(**batch)
+
+    def _checked_batch(self, kwargs: dict | None, training: bool) -> dict:
+        batch = dict(kwargs or {})
+        unknown = set(batch) - {"input_ids", "attention_mask", "labels"}
+        if unknown:
+            raise TypeError(
+                f"unexpected inputs {sorted(unknown)}: pass input_ids, attention_mask, labels"
+            )
+        ids = batch.get("input_ids")
+        if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.is_floating_point():
+            raise ValueError(
+                "input_ids must be a B×S integer tensor, got "
+                + (
+                    f"shape {tuple(ids.shape)} {ids.dtype}"
+                    if isinstance(ids, torch.Tensor)
+                    else repr(type(ids))
+                )
+            )
+        if self.max_positions is not None and ids.shape[1] > self.max_positions:
+            raise ValueError(
+                f"sequence length {ids.shape[1]} exceeds the model's maximum of "
+                f"{self.max_positions} positions"
+            )
+        mask = batch.get("attention_mask")
+        if mask is not None:
+            if not isinstance(mask, torch.Tensor) or mask.shape != ids.shape:
+                raise ValueError(
+                    f"attention_mask must have the shape of input_ids {tuple(ids.shape)}"
+                )
+            if bool(((mask != 0) & (mask != 1)).any()):
+                raise ValueError("attention_mask must hold only 0 and 1")
+            batch["attention_mask"] = mask.long()
+        labels = batch.get("labels")
+        if training and labels is None:
+            raise ValueError("training needs labels (the targets; -100 marks ignored positions)")
+        if labels is not None:
+            if not isinstance(labels, torch.Tensor) or labels.shape != ids.shape:
+                raise ValueError(f"labels must have the shape of input_ids {tuple(ids.shape)}")
+            if not training:
+                batch.pop("labels")
+        return batch
+
+
+def from_hf(model, **options) -> HFRoundPipe:
+    """``model``, a ``*ForCausalLM`` of a supported family, as an :class:`HFRoundPipe`."""
+    if type(model).__name__.startswith("Peft"):
+        raise NotImplementedError(
+            "peft models are not supported by RoundPipe.from_hf yet; wrap the base model"
+        )
+    family = family_of(model)
+    names: dict[int, str] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), name)
+    pipe = HFRoundPipe(decoder_layers(model, family), _param_names=names, **options)
+    pipe.max_positions = getattr(model.config, "max_position_embeddings", None)
+    return pipe

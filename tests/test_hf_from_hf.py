@@ -1,0 +1,161 @@
+"""``RoundPipe.from_hf`` against the Hugging Face model itself (fp32, tiny configs).
+
+The oracle is ``model(**batch).loss`` and its gradients for the whole batch: the mean
+over every label token, whatever the microbatch split, the padding side or the device
+count; inference returns the model's logits; parameters keep the model's names.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from roundpipe import RoundPipe, RoundPipeRunConfig  # noqa: E402
+
+VOCAB = 64
+COMMON = dict(
+    vocab_size=VOCAB,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+    attn_implementation="sdpa",
+)
+
+
+def build(family: str):
+    torch.manual_seed(0)
+    if family == "llama":
+        return transformers.LlamaForCausalLM(transformers.LlamaConfig(**COMMON))
+    if family == "mistral":  # a window shorter than the sequence: sliding masks matter
+        config = transformers.MistralConfig(**COMMON, sliding_window=4, head_dim=8)
+        return transformers.MistralForCausalLM(config)
+    if family == "qwen2":
+        config = transformers.Qwen2Config(
+            **COMMON, use_sliding_window=True, sliding_window=4, max_window_layers=1
+        )
+        return transformers.Qwen2ForCausalLM(config)
+    if family == "qwen3":
+        config = transformers.Qwen3Config(**COMMON, head_dim=8, tie_word_embeddings=True)
+        return transformers.Qwen3ForCausalLM(config)
+    raise AssertionError(family)
+
+
+def padded_batch(rows: int = 5, length: int = 10, side: str = "right", seed: int = 0):
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, VOCAB, (rows, length), generator=generator)
+    mask = torch.ones_like(ids)
+    for row in range(rows):
+        pad = (row * 3) % (length - 3)  # rows of different lengths, one unpadded
+        if pad:
+            if side == "right":
+                mask[row, length - pad :] = 0
+            else:
+                mask[row, :pad] = 0
+    labels = ids.masked_fill(mask == 0, -100)
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+def hf_loss_and_grads(model, batch):
+    reference = copy.deepcopy(model)
+    loss = reference(**batch).loss
+    loss.backward()
+    return loss.detach(), {n: p.grad for n, p in reference.named_parameters()}
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3"])
+@pytest.mark.parametrize(("devices", "microbatches", "side"), [(1, 2, "right"), (3, 3, "left")])
+def test_loss_and_gradients_equal_the_hugging_face_model(family, devices, microbatches, side):
+    model = build(family)
+    batch = padded_batch(side=side)
+    want, want_grads = hf_loss_and_grads(model, batch)
+    config = RoundPipeRunConfig(num_microbatch=microbatches)  # 5 rows do not divide evenly
+    with RoundPipe.from_hf(model, devices=f"emulated:{devices}", model_run_config=config) as pipe:
+        loss = pipe.forward_backward(input_kwargs=batch)
+        pipe.synchronize()
+    torch.testing.assert_close(loss.detach(), want, rtol=1e-5, atol=1e-6)
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(param.grad, want_grads[name], rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_inference_returns_the_models_logits(family):
+    model = build(family)
+    batch = padded_batch(side="left")
+    del batch["labels"]
+    with torch.no_grad():
+        want = model(**batch).logits
+    with (
+        RoundPipe.from_hf(model, devices="emulated:2") as pipe,
+        torch.no_grad(),
+    ):
+        got = pipe(**batch)
+    valid = batch["attention_mask"].bool()
+    torch.testing.assert_close(got[valid], want[valid], rtol=1e-5, atol=1e-5)
+
+
+def test_parameters_keep_the_models_names_and_train_in_place():
+    model = build("llama")
+    reference = copy.deepcopy(model)
+    batches = [padded_batch(seed=s) for s in range(3)]
+    ref_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    with RoundPipe.from_hf(model, devices="emulated:2") as pipe:
+        names = [name for name, _ in pipe.optim_named_parameters()]
+        assert names == [name for name, _ in model.named_parameters()]
+        optimizer = torch.optim.AdamW(pipe.optim_parameters(), lr=1e-2)
+        for batch in batches:
+            pipe.forward_backward(input_kwargs=batch)
+            pipe.step(lambda: (optimizer.step(), optimizer.zero_grad()), is_async=False)
+            reference(**batch).loss.backward()
+            ref_optimizer.step()
+            ref_optimizer.zero_grad()
+        pipe.synchronize()
+    for (name, param), ref in zip(model.named_parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(param.detach(), ref.detach(), rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_the_loss_is_computed_in_chunks_of_tokens():
+    from roundpipe.hf.decoder import HeadLayer
+
+    model = build("llama")
+    batch = padded_batch()
+    want, _ = hf_loss_and_grads(model, batch)
+    with RoundPipe.from_hf(model, devices="emulated:1") as pipe:
+        head = pipe.model[-1]
+        assert isinstance(head, HeadLayer)
+        head.chunk_tokens = 7  # 45 shifted tokens: seven chunks, the last one short
+        loss = pipe.forward_backward(input_kwargs=batch)
+    torch.testing.assert_close(loss.detach(), want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (lambda b: b.pop("input_ids"), "input_ids must be"),
+        (lambda b: b.update(labels=b["labels"][:, :-1]), "labels must have the shape"),
+        (lambda b: b.update(attention_mask=b["attention_mask"] * 2), "only 0 and 1"),
+        (lambda b: b.update(labels=torch.full_like(b["labels"], -100)), "no label token"),
+        (lambda b: b.pop("labels"), "training needs labels"),
+        (lambda b: b.update(input_ids=torch.zeros(1, 65, dtype=torch.long)), "exceeds"),
+    ],
+)
+def test_bad_batches_are_refused_before_any_work(change, message):
+    batch = padded_batch()
+    change(batch)
+    with (
+        RoundPipe.from_hf(build("llama"), devices="emulated:1") as pipe,
+        pytest.raises(ValueError, match=message),
+    ):
+        pipe.forward_backward(input_kwargs=batch)
+
+
+def test_an_unsupported_model_names_the_supported_families():
+    config = transformers.GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=VOCAB)
+    with pytest.raises(ValueError, match=r"Llama \(llama\).*Qwen3 \(qwen3\)"):
+        RoundPipe.from_hf(transformers.GPT2LMHeadModel(config), devices="emulated:1")
