@@ -159,3 +159,56 @@ def test_an_unsupported_model_names_the_supported_families():
     config = transformers.GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=VOCAB)
     with pytest.raises(ValueError, match=r"Llama \(llama\).*Qwen3 \(qwen3\)"):
         RoundPipe.from_hf(transformers.GPT2LMHeadModel(config), devices="emulated:1")
+
+
+def test_save_pretrained_writes_what_transformers_loads(tmp_path):
+    model = build("qwen3")
+    batch = padded_batch()
+    with RoundPipe.from_hf(model, devices="emulated:2") as pipe:
+        optimizer = torch.optim.AdamW(pipe.optim_parameters(), lr=1e-2)
+        pipe.forward_backward(input_kwargs=batch)
+        pipe.step(lambda: (optimizer.step(), optimizer.zero_grad()))  # async: saving waits
+        pipe.save_pretrained(tmp_path)
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
+    del batch["labels"]
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(**batch).logits, model(**batch).logits)
+
+
+def lora(model):
+    peft = pytest.importorskip("peft")
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"])
+    torch.manual_seed(1)
+    wrapped = peft.get_peft_model(model, config)
+    for name, param in wrapped.named_parameters():  # lora_B starts at zero: make it count
+        if "lora_B" in name:
+            torch.nn.init.normal_(param, std=0.1)
+    return wrapped
+
+
+def test_lora_trains_like_peft_and_saves_an_adapter_peft_loads(tmp_path):
+    peft = pytest.importorskip("peft")
+    model = lora(build("llama"))
+    reference = copy.deepcopy(model)
+    batches = [padded_batch(seed=s, side="left") for s in range(3)]
+    ref_optimizer = torch.optim.AdamW([p for p in reference.parameters() if p.requires_grad])
+    with RoundPipe.from_hf(model, devices="emulated:2") as pipe:
+        trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+        assert [n for n, _ in pipe.optim_named_parameters()] == trainable  # no base masters
+        optimizer = torch.optim.AdamW(pipe.optim_parameters())
+        for batch in batches:
+            loss = pipe.forward_backward(input_kwargs=batch)
+            pipe.step(lambda: (optimizer.step(), optimizer.zero_grad()), is_async=False)
+            want = reference(**batch).loss
+            want.backward()
+            ref_optimizer.step()
+            ref_optimizer.zero_grad()
+            torch.testing.assert_close(loss.detach(), want.detach(), rtol=1e-5, atol=1e-6)
+        pipe.save_pretrained(tmp_path)
+    for (name, param), ref in zip(model.named_parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(param.detach(), ref.detach(), rtol=1e-4, atol=1e-6, msg=name)
+    fresh = peft.PeftModel.from_pretrained(build("llama"), tmp_path)
+    batch = padded_batch(seed=9)
+    del batch["labels"]
+    with torch.no_grad():
+        torch.testing.assert_close(fresh(**batch).logits, model(**batch).logits)

@@ -23,6 +23,17 @@ class HFRoundPipe(RoundPipe):
 
     max_positions: int | None = None
 
+    @property
+    def hf_model(self):
+        """The model given to ``from_hf`` (a ``*ForCausalLM`` or a peft model of one)."""
+        return self.__dict__["_hf_model"]
+
+    def save_pretrained(self, path, **kwargs: Any) -> None:
+        """Wait for queued work, then write the model as ``transformers`` (or, for a peft
+        model, the adapter as ``peft``) loads it with ``from_pretrained``."""
+        self.synchronize()
+        self.hf_model.save_pretrained(path, **kwargs)
+
     def forward_backward(
         self,
         input_args: tuple = (),
@@ -105,15 +116,16 @@ class HFRoundPipe(RoundPipe):
 
 
 def from_hf(model, **options) -> HFRoundPipe:
-    """``model``, a ``*ForCausalLM`` of a supported family, as an :class:`HFRoundPipe`."""
-    if type(model).__name__.startswith("Peft"):
-        raise NotImplementedError(
-            "peft models are not supported by RoundPipe.from_hf yet; wrap the base model"
-        )
-    family = family_of(model)
+    """``model``, a ``*ForCausalLM`` of a supported family or a peft model of one (LoRA:
+    only the adapters train; the frozen base is uploaded, never downloaded), as an
+    :class:`HFRoundPipe` whose parameters keep ``model``'s names."""
+    is_peft = hasattr(model, "peft_config") and hasattr(model, "get_base_model")
+    causal_lm = model.get_base_model() if is_peft else model
+    family = family_of(causal_lm)
     names: dict[int, str] = {}
     for name, param in model.named_parameters(remove_duplicate=False):
         names.setdefault(id(param), name)
-    pipe = HFRoundPipe(decoder_layers(model, family), _param_names=names, **options)
-    pipe.max_positions = getattr(model.config, "max_position_embeddings", None)
+    pipe = HFRoundPipe(decoder_layers(causal_lm, family), _param_names=names, **options)
+    pipe.max_positions = getattr(causal_lm.config, "max_position_embeddings", None)
+    pipe.__dict__["_hf_model"] = model  # not a submodule: its parameters are the layers'
     return pipe
