@@ -110,6 +110,15 @@ class RoundPipe(nn.Module):
 
         return from_hf(model, **options)
 
+    @classmethod
+    def from_pretrained(cls, path, **options: Any) -> RoundPipe:
+        """``from_hf`` of the model in a local directory: ``torch_dtype`` (default
+        ``torch.bfloat16``), ``lora=peft.LoraConfig(...)`` for adapters, and the options
+        of ``RoundPipe(...)``."""
+        from .hf.pipe import from_pretrained
+
+        return from_pretrained(path, **options)
+
     # -- introspection ----------------------------------------------------------------
 
     @property

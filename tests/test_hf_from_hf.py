@@ -44,6 +44,21 @@ def build(family: str):
     if family == "qwen3":
         config = transformers.Qwen3Config(**COMMON, head_dim=8, tie_word_embeddings=True)
         return transformers.Qwen3ForCausalLM(config)
+    if family == "qwen3_moe":
+        config = transformers.Qwen3MoeConfig(
+            **COMMON, head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16
+        )
+        return transformers.Qwen3MoeForCausalLM(config)
+    if family == "gpt_oss":  # sinks, biases, alternating sliding-window layers
+        config = transformers.GptOssConfig(
+            **{**COMMON, "attn_implementation": "eager"},
+            head_dim=8,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            sliding_window=4,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        )
+        return transformers.GptOssForCausalLM(config)
     raise AssertionError(family)
 
 
@@ -69,7 +84,24 @@ def hf_loss_and_grads(model, batch):
     return loss.detach(), {n: p.grad for n, p in reference.named_parameters()}
 
 
-@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3"])
+def train_both(pipe, reference, batches, lr=1e-3, rtol=1e-5, atol=1e-6):
+    """Synchronous AdamW steps on the pipe and on the reference; losses compared."""
+    optimizer = torch.optim.AdamW(pipe.optim_parameters(), lr=lr)
+    ref_optimizer = torch.optim.AdamW([p for p in reference.parameters() if p.requires_grad], lr=lr)
+    for batch in batches:
+        loss = pipe.forward_backward(input_kwargs=batch)
+        pipe.step(lambda: (optimizer.step(), optimizer.zero_grad()), is_async=False)
+        want = reference(**batch).loss
+        want.backward()
+        ref_optimizer.step()
+        ref_optimizer.zero_grad()
+        torch.testing.assert_close(loss.detach().float(), want.detach(), rtol=rtol, atol=atol)
+
+
+FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "gpt_oss"]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize(("devices", "microbatches", "side"), [(1, 2, "right"), (3, 3, "left")])
 def test_loss_and_gradients_equal_the_hugging_face_model(family, devices, microbatches, side):
     model = build(family)
@@ -104,17 +136,10 @@ def test_parameters_keep_the_models_names_and_train_in_place():
     model = build("llama")
     reference = copy.deepcopy(model)
     batches = [padded_batch(seed=s) for s in range(3)]
-    ref_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2)
     with RoundPipe.from_hf(model, devices="emulated:2") as pipe:
         names = [name for name, _ in pipe.optim_named_parameters()]
         assert names == [name for name, _ in model.named_parameters()]
-        optimizer = torch.optim.AdamW(pipe.optim_parameters(), lr=1e-2)
-        for batch in batches:
-            pipe.forward_backward(input_kwargs=batch)
-            pipe.step(lambda: (optimizer.step(), optimizer.zero_grad()), is_async=False)
-            reference(**batch).loss.backward()
-            ref_optimizer.step()
-            ref_optimizer.zero_grad()
+        train_both(pipe, reference, batches, lr=1e-2)
         pipe.synchronize()
     for (name, param), ref in zip(model.named_parameters(), reference.parameters(), strict=True):
         torch.testing.assert_close(param.detach(), ref.detach(), rtol=1e-4, atol=1e-5, msg=name)
@@ -155,6 +180,13 @@ def test_bad_batches_are_refused_before_any_work(change, message):
         pipe.forward_backward(input_kwargs=batch)
 
 
+def test_the_router_auxiliary_loss_is_refused_not_silently_dropped():
+    model = build("qwen3_moe")
+    model.config.output_router_logits = True
+    with pytest.raises(NotImplementedError, match="output_router_logits"):
+        RoundPipe.from_hf(model, devices="emulated:1")
+
+
 def test_an_unsupported_model_names_the_supported_families():
     config = transformers.GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=VOCAB)
     with pytest.raises(ValueError, match=r"Llama \(llama\).*Qwen3 \(qwen3\)"):
@@ -191,19 +223,10 @@ def test_lora_trains_like_peft_and_saves_an_adapter_peft_loads(tmp_path):
     model = lora(build("llama"))
     reference = copy.deepcopy(model)
     batches = [padded_batch(seed=s, side="left") for s in range(3)]
-    ref_optimizer = torch.optim.AdamW([p for p in reference.parameters() if p.requires_grad])
     with RoundPipe.from_hf(model, devices="emulated:2") as pipe:
         trainable = [n for n, p in model.named_parameters() if p.requires_grad]
         assert [n for n, _ in pipe.optim_named_parameters()] == trainable  # no base masters
-        optimizer = torch.optim.AdamW(pipe.optim_parameters())
-        for batch in batches:
-            loss = pipe.forward_backward(input_kwargs=batch)
-            pipe.step(lambda: (optimizer.step(), optimizer.zero_grad()), is_async=False)
-            want = reference(**batch).loss
-            want.backward()
-            ref_optimizer.step()
-            ref_optimizer.zero_grad()
-            torch.testing.assert_close(loss.detach(), want.detach(), rtol=1e-5, atol=1e-6)
+        train_both(pipe, reference, batches)
         pipe.save_pretrained(tmp_path)
     for (name, param), ref in zip(model.named_parameters(), reference.parameters(), strict=True):
         torch.testing.assert_close(param.detach(), ref.detach(), rtol=1e-4, atol=1e-6, msg=name)
@@ -212,3 +235,34 @@ def test_lora_trains_like_peft_and_saves_an_adapter_peft_loads(tmp_path):
     del batch["labels"]
     with torch.no_grad():
         torch.testing.assert_close(fresh(**batch).logits, model(**batch).logits)
+
+
+def test_from_pretrained_loads_a_local_directory_with_or_without_lora(tmp_path):
+    peft = pytest.importorskip("peft")
+    model = build("qwen2")
+    model.save_pretrained(tmp_path)
+    batch = padded_batch()
+    want, _ = hf_loss_and_grads(model, batch)
+    with RoundPipe.from_pretrained(
+        tmp_path, torch_dtype=torch.float32, devices="emulated:2"
+    ) as pipe:
+        torch.testing.assert_close(pipe.forward_backward(input_kwargs=batch).detach(), want)
+    config = peft.LoraConfig(r=2, target_modules=["q_proj"])
+    with RoundPipe.from_pretrained(
+        tmp_path, torch_dtype=torch.float32, lora=config, devices="emulated:2"
+    ) as pipe:
+        names = [name for name, _ in pipe.optim_named_parameters()]
+        assert names and all("lora_" in name for name in names)
+        # lora_B starts at zero: the adapted model computes the base model's loss
+        torch.testing.assert_close(pipe.forward_backward(input_kwargs=batch).detach(), want)
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        RoundPipe.from_pretrained(tmp_path / "missing", devices="emulated:1")
+
+
+def test_a_bf16_model_with_fp32_masters_trains_like_fp32():
+    model = build("llama")
+    reference = copy.deepcopy(model)
+    batches = [padded_batch(seed=s) for s in range(3)]
+    with RoundPipe.from_hf(model.to(torch.bfloat16), devices="emulated:2") as pipe:
+        assert all(p.dtype == torch.float32 for p in pipe.optim_parameters())
+        train_both(pipe, reference, batches, rtol=2e-2, atol=0)

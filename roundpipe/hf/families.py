@@ -35,6 +35,8 @@ FAMILIES = {
         Family("Mistral", "mistral", sliding_everywhere=True),
         Family("Qwen2", "qwen2"),
         Family("Qwen3", "qwen3"),
+        Family("Qwen3-MoE", "qwen3_moe"),
+        Family("GPT-OSS", "gpt_oss"),  # attention sinks, alternating sliding layers, biases
     )
 }
 
@@ -53,5 +55,11 @@ def family_of(model) -> Family:
             "model.layers, model.norm, model.rotary_emb and an LM head is one entry in "
             "roundpipe/hf/families.py; any other model can be wrapped as an "
             "nn.Sequential of layers and passed to RoundPipe(...)"
+        )
+    if getattr(config, "output_router_logits", False):
+        raise NotImplementedError(
+            f"{family.name} with output_router_logits=True adds the router's auxiliary "
+            "loss to model(**batch).loss; RoundPipe.from_hf does not compute it yet: set "
+            "config.output_router_logits = False"
         )
     return family
