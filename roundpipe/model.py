@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .checkpoint import Checkpoints
 from .config import RoundPipeRunConfig, checked_run_config
 from .devices import DevicePool, EmulatedOptions, Slot, make_pool
 from .keys import Activation, InputGrad, Loss, Output
@@ -41,7 +42,7 @@ from .timeline import Timeline
 PIN_MODES = ("auto", "alloc", "register", "off")
 
 
-class RoundPipe(nn.Module):
+class RoundPipe(Checkpoints, nn.Module):
     """Train ``model`` (each entry of an ``nn.Sequential`` is one layer) on a device pool.
 
     >>> model = RoundPipe(nn.Sequential(...), devices="emulated:4")

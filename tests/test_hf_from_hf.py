@@ -266,3 +266,20 @@ def test_a_bf16_model_with_fp32_masters_trains_like_fp32():
     with RoundPipe.from_hf(model.to(torch.bfloat16), devices="emulated:2") as pipe:
         assert all(p.dtype == torch.float32 for p in pipe.optim_parameters())
         train_both(pipe, reference, batches, rtol=2e-2, atol=0)
+
+
+def test_a_checkpoint_restores_a_hugging_face_run(tmp_path):
+    batches = [padded_batch(seed=s) for s in range(3)]
+    with RoundPipe.from_hf(build("qwen3"), devices="emulated:2") as pipe:
+        optimizer = torch.optim.AdamW(pipe.optim_parameters(), lr=1e-2)
+        pipe.forward_backward(input_kwargs=batches[0])
+        pipe.step(lambda: (optimizer.step(), optimizer.zero_grad()))
+        pipe.save_checkpoint(tmp_path / "c", optimizer, extra={"next": 1})
+        want = [float(pipe.forward_backward(input_kwargs=b)) for b in batches[1:]]
+    torch.manual_seed(5)
+    fresh = transformers.Qwen3ForCausalLM(build("qwen3").config)  # other weights
+    with RoundPipe.from_hf(fresh, devices="emulated:2") as pipe:
+        optimizer = torch.optim.AdamW(pipe.optim_parameters(), lr=1e-2)
+        assert pipe.load_checkpoint(tmp_path / "c", optimizer) == {"next": 1}
+        got = [float(pipe.forward_backward(input_kwargs=b)) for b in batches[1:]]
+    assert got == want

@@ -1,0 +1,205 @@
+"""Full training-state checkpoints: ``RoundPipe.save_checkpoint`` / ``load_checkpoint``.
+
+A checkpoint is a directory:
+
+- ``weights.safetensors``: every parameter in the model dtype (``param/<name>``) and
+  every buffer (``buffer/<name>``);
+- ``masters.safetensors``: the fp32 (``optim_dtype``) masters and their accumulated
+  gradients (``grad/<name>``), by the names ``optim_named_parameters()`` gives;
+- ``optimizer.safetensors`` + the ``optimizer`` entry of ``state.json``: the
+  optimizer's tensors and the rest of its state dict;
+- ``rng.safetensors``: the random generators the runtime draws from (CPU, devices);
+- ``state.json``: format, parameter names, scheduler and GradScaler state, ``extra``.
+
+Saving first waits for queued work (a ``synchronize``). It is atomic: the files are
+written (and flushed to disk) into a temporary directory that then replaces ``path``;
+a save killed half-way leaves the previous checkpoint, at ``path`` or, if the kill
+fell between the two renames of the swap, at ``path.old``, which loading falls back to.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+FORMAT = 1
+
+
+class Checkpoints:
+    """``save_checkpoint`` / ``load_checkpoint`` of :class:`~roundpipe.RoundPipe`."""
+
+    def save_checkpoint(
+        self, path, optimizer=None, lr_scheduler=None, grad_scaler=None, extra=None
+    ) -> None:
+        """Wait for queued work, then write everything a run needs to continue: weights,
+        masters (and accumulated gradients), the state of ``optimizer``,
+        ``lr_scheduler`` and ``grad_scaler``, the RNG states, and ``extra`` (anything
+        JSON can hold, e.g. the data position). Atomic (see :mod:`roundpipe.checkpoint`)."""
+        with self._session.enter("save_checkpoint") as session:
+            session.check_open()
+            session.synchronize()
+            buffers = list(self.model.named_buffers())
+            save(self._session.store, self.pool, buffers, path, optimizer, lr_scheduler,
+                 grad_scaler, extra)  # fmt: skip
+
+    def load_checkpoint(self, path, optimizer=None, lr_scheduler=None, grad_scaler=None) -> Any:
+        """Restore a :meth:`save_checkpoint` of this model (and the given optimizer,
+        scheduler and scaler, built as when it was saved); returns its ``extra``. The run
+        continues exactly as the saved one would have."""
+        with self._session.enter("load_checkpoint") as session:
+            session.check_open()
+            session.synchronize()
+            store = self._session.store
+            buffers = list(self.model.named_buffers())
+            extra, masters = load(store, self.pool, buffers, path, optimizer, lr_scheduler,
+                                  grad_scaler)  # fmt: skip
+            session.synchronize()  # adopts the written weights (the masters take them) ...
+            restore_masters(store, masters)  # ... then get their full-precision values
+            session.make_current()  # .grad shows the restored gradients
+        return extra
+
+
+def save(store, pool, buffers, path, optimizer, lr_scheduler, grad_scaler, extra) -> None:
+    path = Path(path)
+    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    names = [entry.name for entry in store.entries.values()]
+    weights = {f"param/{e.name}": e.param.detach() for e in store.entries.values()}
+    weights.update({f"buffer/{name}": b for name, b in buffers})
+    masters: dict[str, torch.Tensor] = {}
+    for name, master in store.masters():
+        masters[name] = master.detach()
+        if master.grad is not None:
+            masters[f"grad/{name}"] = master.grad
+    rng = {"cpu": torch.get_rng_state()}
+    rng.update(
+        {
+            f"device/{i}": d.get_rng_state()
+            for i, d in enumerate(pool)
+            if d.torch_device.type != "cpu"
+        }
+    )
+    state: dict[str, Any] = {"format": FORMAT, "parameters": names, "extra": extra}
+    _write_tensors(tmp / "weights.safetensors", weights)
+    _write_tensors(tmp / "masters.safetensors", masters)
+    _write_tensors(tmp / "rng.safetensors", rng)
+    if optimizer is not None:
+        tensors, rest = _split_optimizer(optimizer.state_dict())
+        _write_tensors(tmp / "optimizer.safetensors", tensors)
+        state["optimizer"] = rest
+    if lr_scheduler is not None:
+        state["lr_scheduler"] = lr_scheduler.state_dict()
+    if grad_scaler is not None:
+        state["grad_scaler"] = grad_scaler.state_dict()
+    with open(tmp / "state.json", "w") as file:
+        json.dump(state, file)
+        file.flush()
+        os.fsync(file.fileno())
+    _swap(tmp, path)
+
+
+def load(store, pool, buffers, path, optimizer, lr_scheduler, grad_scaler) -> tuple[Any, dict]:
+    """Restore what :func:`save` wrote; returns its ``extra``. The caller has drained the
+    runtime; it adopts the written weights afterwards, then :func:`restore_masters`."""
+    path = _existing(Path(path))
+    with open(path / "state.json") as file:
+        state = json.load(file)
+    names = [entry.name for entry in store.entries.values()]
+    if state.get("format") != FORMAT or state.get("parameters") != names:
+        raise ValueError(
+            f"{path} is not a checkpoint of this model: its parameters differ "
+            f"({len(state.get('parameters', []))} saved, {len(names)} here)"
+        )
+    weights = _read_tensors(path / "weights.safetensors")
+    with torch.no_grad():
+        for entry in store.entries.values():
+            entry.param.copy_(weights[f"param/{entry.name}"])
+        for name, buffer in buffers:
+            buffer.copy_(weights[f"buffer/{name}"])
+    rng = _read_tensors(path / "rng.safetensors")
+    torch.set_rng_state(rng["cpu"])
+    for i, device in enumerate(pool):
+        if f"device/{i}" in rng:
+            device.set_rng_state(rng[f"device/{i}"])
+    if optimizer is not None:
+        if "optimizer" not in state:
+            raise ValueError(f"{path} holds no optimizer state")
+        tensors = _read_tensors(path / "optimizer.safetensors")
+        optimizer.load_state_dict(_join_optimizer(tensors, state["optimizer"]))
+    if lr_scheduler is not None:
+        lr_scheduler.load_state_dict(state["lr_scheduler"])
+    if grad_scaler is not None:
+        grad_scaler.load_state_dict(state["grad_scaler"])
+    return state.get("extra"), _read_tensors(path / "masters.safetensors")
+
+
+def restore_masters(store, masters: dict[str, torch.Tensor]) -> None:
+    """Set the masters (and their gradients) to the saved full-precision values."""
+    with torch.no_grad():
+        for name, master in store.masters():
+            master.copy_(masters[name])
+            grad = masters.get(f"grad/{name}")
+            master.grad = None if grad is None else grad.clone()
+
+
+# -- files -------------------------------------------------------------------------------
+
+
+def _write_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
+    from safetensors.torch import save_file
+
+    save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(path))
+    with open(path, "rb+") as file:
+        os.fsync(file.fileno())
+
+
+def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(path))
+
+
+def _swap(tmp: Path, path: Path) -> None:
+    old = path.with_name(f"{path.name}.old")
+    shutil.rmtree(old, ignore_errors=True)
+    if path.exists():
+        os.replace(path, old)
+    os.replace(tmp, path)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _existing(path: Path) -> Path:
+    if (path / "state.json").is_file():
+        return path
+    old = path.with_name(f"{path.name}.old")
+    if (old / "state.json").is_file():  # a save was killed between its two renames
+        return old
+    raise FileNotFoundError(f"no checkpoint at {path} (no state.json)")
+
+
+def _split_optimizer(state: dict) -> tuple[dict[str, torch.Tensor], dict]:
+    tensors: dict[str, torch.Tensor] = {}
+    scalars: dict[str, dict[str, Any]] = {}
+    for index, values in state["state"].items():
+        for key, value in values.items():
+            if isinstance(value, torch.Tensor):
+                tensors[f"{index}/{key}"] = value
+            else:
+                scalars.setdefault(str(index), {})[key] = value
+    return tensors, {"param_groups": state["param_groups"], "scalars": scalars}
+
+
+def _join_optimizer(tensors: dict[str, torch.Tensor], rest: dict) -> dict:
+    state: dict[int, dict[str, Any]] = {}
+    for key, value in tensors.items():
+        index, name = key.split("/", 1)
+        state.setdefault(int(index), {})[name] = value
+    for index, values in rest["scalars"].items():
+        state.setdefault(int(index), {}).update(values)
+    return {"state": state, "param_groups": rest["param_groups"]}
