@@ -166,12 +166,35 @@ def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
 
 
 def _swap(tmp: Path, path: Path) -> None:
+    """Replace ``path`` by ``tmp``; at every instant one complete checkpoint exists, at
+    ``path`` or at ``path.old``."""
     old = path.with_name(f"{path.name}.old")
+    if not path.exists() and old.exists():
+        os.replace(old, path)  # finish the swap of a save killed half-way first
     shutil.rmtree(old, ignore_errors=True)
     if path.exists():
         os.replace(path, old)
     os.replace(tmp, path)
     shutil.rmtree(old, ignore_errors=True)
+    _remove_abandoned(path)
+
+
+def _remove_abandoned(path: Path) -> None:
+    """Temporary directories of saves whose process is gone (killed while writing)."""
+    for candidate in path.parent.glob(f"{path.name}.tmp-*"):
+        pid = candidate.name.rsplit("-", 1)[-1]
+        if pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(candidate, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _existing(path: Path) -> Path:

@@ -108,3 +108,28 @@ def test_a_checkpoint_of_another_model_is_refused(tmp_path):
         pytest.raises(ValueError, match="not a checkpoint of this model"),
     ):
         pipe.load_checkpoint(tmp_path / "c")
+
+
+@pytest.mark.parametrize("delay", [0.05, 0.2, 0.4])
+def test_a_save_killed_with_sigkill_leaves_a_loadable_checkpoint(tmp_path, delay):
+    import signal
+    import time
+
+    from children.harness import start_child
+
+    path = tmp_path / "ckpt"
+    child = start_child(["children/save_forever.py", str(path)])
+    try:
+        assert child.stdout.readline().strip() == "SAVED 1", child.stderr.read()
+        time.sleep(delay)  # somewhere in the middle of a later save
+    finally:
+        child.send_signal(signal.SIGKILL)
+        child.communicate(timeout=60)
+    torch.manual_seed(3)
+    model = nn.Sequential(*[nn.Linear(512, 512) for _ in range(8)])
+    with RoundPipe(model, devices="emulated:2") as pipe:
+        optimizer = torch.optim.AdamW(pipe.optim_parameters())
+        extra = pipe.load_checkpoint(path, optimizer)
+        assert isinstance(extra, int) and extra >= 1
+        for master, param in zip(pipe.optim_parameters(), model.parameters(), strict=True):
+            assert torch.equal(master, param.detach())  # a complete, consistent checkpoint

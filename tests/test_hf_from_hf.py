@@ -84,13 +84,23 @@ def hf_loss_and_grads(model, batch):
     return loss.detach(), {n: p.grad for n, p in reference.named_parameters()}
 
 
-def train_both(pipe, reference, batches, lr=1e-3, rtol=1e-5, atol=1e-6):
-    """Synchronous AdamW steps on the pipe and on the reference; losses compared."""
+def train_both(pipe, reference, batches, lr=1e-3, rtol=1e-5, atol=1e-6, scaler=None):
+    """Synchronous AdamW steps on the pipe (through ``scaler`` if given) and on the
+    reference; losses compared."""
     optimizer = torch.optim.AdamW(pipe.optim_parameters(), lr=lr)
     ref_optimizer = torch.optim.AdamW([p for p in reference.parameters() if p.requires_grad], lr=lr)
+
+    def update() -> None:
+        if scaler is None:
+            optimizer.step()
+        else:
+            scaler.step(optimizer)
+            scaler.update()
+        optimizer.zero_grad()
+
     for batch in batches:
         loss = pipe.forward_backward(input_kwargs=batch)
-        pipe.step(lambda: (optimizer.step(), optimizer.zero_grad()), is_async=False)
+        pipe.step(update, is_async=False)
         want = reference(**batch).loss
         want.backward()
         ref_optimizer.step()
@@ -283,3 +293,13 @@ def test_a_checkpoint_restores_a_hugging_face_run(tmp_path):
         assert pipe.load_checkpoint(tmp_path / "c", optimizer) == {"next": 1}
         got = [float(pipe.forward_backward(input_kwargs=b)) for b in batches[1:]]
     assert got == want
+
+
+def test_an_fp16_model_trains_with_a_grad_scaler():
+    model = build("llama")
+    reference = copy.deepcopy(model)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    batches = [padded_batch(seed=s) for s in range(3)]
+    with RoundPipe.from_hf(model.half(), devices="emulated:2", grad_scaler=scaler) as pipe:
+        train_both(pipe, reference, batches, rtol=2e-2, atol=0, scaler=scaler)
+    assert scaler.get_scale() == 2.0**10  # no overflow: every step was taken
