@@ -23,6 +23,7 @@ from torch import nn
 from .checkpoint import Checkpoints
 from .config import RoundPipeRunConfig, checked_run_config
 from .devices import DevicePool, EmulatedOptions, Slot, make_pool
+from .hf.entry import FromHuggingFace
 from .keys import Activation, InputGrad, Loss, Output
 from .microbatch import merge_outputs
 from .plan import Plan
@@ -42,7 +43,7 @@ from .timeline import Timeline
 PIN_MODES = ("auto", "alloc", "register", "off")
 
 
-class RoundPipe(Checkpoints, nn.Module):
+class RoundPipe(Checkpoints, FromHuggingFace, nn.Module):
     """Train ``model`` (each entry of an ``nn.Sequential`` is one layer) on a device pool.
 
     >>> model = RoundPipe(nn.Sequential(...), devices="emulated:4")
@@ -100,25 +101,6 @@ class RoundPipe(Checkpoints, nn.Module):
         self.planner = AutoPlanner(self.profiler, None if None in capacities else capacities)
         self._cursor = 0
         self._optimizer_view = 0
-
-    @classmethod
-    def from_hf(cls, model: nn.Module, **options: Any) -> RoundPipe:
-        """Wrap a Hugging Face ``*ForCausalLM`` (Llama, Mistral, Qwen2, Qwen3 families):
-        its embedding, decoder layers and head become the layers, its own modules; its
-        loss is computed exactly (see :mod:`roundpipe.hf.pipe`). ``options`` are those of
-        ``RoundPipe(...)``."""
-        from .hf.pipe import from_hf
-
-        return from_hf(model, **options)
-
-    @classmethod
-    def from_pretrained(cls, path, **options: Any) -> RoundPipe:
-        """``from_hf`` of the model in a local directory: ``torch_dtype`` (default
-        ``torch.bfloat16``), ``lora=peft.LoraConfig(...)`` for adapters, and the options
-        of ``RoundPipe(...)``."""
-        from .hf.pipe import from_pretrained
-
-        return from_pretrained(path, **options)
 
     # -- introspection ----------------------------------------------------------------
 

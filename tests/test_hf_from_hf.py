@@ -303,3 +303,28 @@ def test_an_fp16_model_trains_with_a_grad_scaler():
     with RoundPipe.from_hf(model.half(), devices="emulated:2", grad_scaler=scaler) as pipe:
         train_both(pipe, reference, batches, rtol=2e-2, atol=0, scaler=scaler)
     assert scaler.get_scale() == 2.0**10  # no overflow: every step was taken
+
+
+def test_the_head_never_holds_the_logits_of_more_than_one_chunk(monkeypatch):
+    """Full fp32 logits over sequence × vocabulary are never materialised: every LM-head
+    matmul of the loss, forward or recompute, covers at most one chunk of tokens."""
+    from roundpipe.hf import decoder
+
+    rows: list[int] = []
+    linear = decoder.F.linear
+
+    def recording_linear(x, weight, bias=None):
+        if weight.shape[0] == VOCAB and x.dim() == 2:  # the head: flattened tokens
+            rows.append(x.shape[0])
+        return linear(x, weight, bias)
+
+    monkeypatch.setattr(decoder.F, "linear", recording_linear)
+    model = build("llama")
+    batch = padded_batch(rows=4, length=16)  # 60 shifted tokens
+    want, _ = hf_loss_and_grads(model, batch)
+    with RoundPipe.from_hf(model, devices="emulated:1") as pipe:
+        pipe.model[-1].chunk_tokens = 8
+        loss = pipe.forward_backward(input_kwargs=batch)
+    torch.testing.assert_close(loss.detach(), want, rtol=1e-5, atol=1e-6)
+    assert rows and max(rows) <= 8
+    assert len(rows) >= 2 * (60 // 8)  # each chunk computed, then recomputed in backward
