@@ -32,6 +32,7 @@ from oracle import (
     mse_sum,
     reference_loss_and_grads,
 )
+from test_errors import FaultyLayer
 from torch import nn
 
 from roundpipe import EmulatedOptions, RoundPipe, RoundPipeRunConfig
@@ -86,7 +87,10 @@ def pytorch_sgd(reference: nn.Module, steps: list[list[int]]) -> nn.Module:
 
 
 class BackwardFault:
-    """Armed: the next backward of the faulty layer waits for ``release``, then raises."""
+    """Armed: the next backward of the faulty layer waits for ``release``, then raises.
+
+    A switch for test_errors' ``FaultyLayer``: it fires in the ``"backward"`` phase only.
+    """
 
     def __init__(self) -> None:
         self.armed = False
@@ -100,35 +104,15 @@ class BackwardFault:
     def arm(self) -> None:
         self.armed = True
 
-    def take(self) -> bool:
+    def fires(self, phase: str) -> bool:
+        if phase != "backward":
+            return False
         with self._lock:
             fires, self.armed = self.armed, False
-            return fires
-
-
-class _FailingBackward(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, fault: BackwardFault) -> torch.Tensor:
-        ctx.fault = fault
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        fault = ctx.fault
-        if fault.take():
-            fault.release.wait(10)
-            fault.fired.set()
-            raise ValueError("injected fault in backward")
-        return grad, None
-
-
-class FaultyIdentity(nn.Module):
-    def __init__(self, fault: BackwardFault) -> None:
-        super().__init__()
-        self.fault = fault
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _FailingBackward.apply(x, self.fault)
+        if fires:
+            self.release.wait(10)
+            self.fired.set()
+        return fires
 
 
 FAULTY_LAYER = 2
@@ -147,7 +131,7 @@ def faulty_model(wrap):
     """(model, reference, fault): six layers, the faulty identity at ``FAULTY_LAYER``."""
     fault = BackwardFault()
     layers = list(mlp(depth=5))
-    layers.insert(FAULTY_LAYER, FaultyIdentity(fault))
+    layers.insert(FAULTY_LAYER, FaultyLayer(fault))
     model, reference = wrap(
         nn.Sequential(*layers),
         devices="emulated:3",

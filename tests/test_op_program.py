@@ -27,6 +27,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_plan_and_schedule import _sizes, plans
 from torch import nn
 
 from roundpipe import EmulatedOptions, JobKind, Plan, RoundPipe, RoundPipeRunConfig, lower
@@ -39,32 +40,6 @@ STREAMS = (P.WEIGHT_UPLOAD, P.ACT_UPLOAD, P.COMPUTE, P.DOWNLOAD)
 WIDTH = 8
 
 # -- random plans ----------------------------------------------------------------------
-
-
-def _sizes(cuts: list[bool]) -> tuple[int, ...]:
-    """Layer counts of stages cut after each layer marked in ``cuts``."""
-    sizes, run = [], 1
-    for cut in cuts:
-        if cut:
-            sizes.append(run)
-            run = 1
-        else:
-            run += 1
-    return (*sizes, run)
-
-
-def compositions(total: int) -> st.SearchStrategy[tuple[int, ...]]:
-    if total == 0:
-        return st.just(())
-    return st.lists(st.booleans(), min_size=total - 1, max_size=total - 1).map(_sizes)
-
-
-@st.composite
-def plans(draw, max_layers: int = 9) -> Plan:
-    layers = draw(st.integers(1, max_layers))
-    backward = draw(compositions(layers))
-    forward = draw(compositions(layers - backward[0]))
-    return Plan(forward, backward)
 
 
 def random_composition(rng: random.Random, total: int) -> tuple[int, ...]:
@@ -214,7 +189,7 @@ def test_the_runtime_runs_exactly_each_jobs_program_in_order_on_every_stream(see
 
 def programs_cases():
     return st.tuples(
-        plans(),
+        plans(max_layers=9),
         st.integers(1, 4),  # devices
         st.integers(1, 5),  # microbatches
         st.sampled_from(["stage", "layer"]),

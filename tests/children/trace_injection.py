@@ -266,26 +266,36 @@ def every_line_of(method: str) -> Counter[str]:
     assert targets, f"{method} ran no orchestration line: the injection would be vacuous"
     print(f"TARGETS {len(targets)}", flush=True)
 
+    def run_once(target, stage: list[str], previous: str) -> str:
+        stage[0] = f"preparing the next run failed after {previous}"
+        watchdog()
+        scenario.prepare(rig)
+        stage[0] = "the call did not end"
+        result = stage[0] = call_interrupted(lambda: scenario.call(rig), target)
+        rig.check()
+        return result
+
+    outcomes = inject_each(targets, method, run_once)
+    watchdog()
+    rig.pipe.close()
+    return outcomes
+
+
+def inject_each(targets, label: str, run_once) -> Counter[str]:
+    """Interrupt at each of ``targets`` in turn: ``run_once(target, stage, previous)``
+    runs one interrupted call and returns its outcome, keeping ``stage[0]`` on what it
+    is doing so a failure says where it happened."""
     outcomes: Counter[str] = Counter()
     previous = "the dry run"
     for target in targets:
-        where = f"{method}: Ctrl-C at {describe(target)}"
+        where = f"{label}: Ctrl-C at {describe(target)}"
         print(f"AT {where}", flush=True)
+        stage = ["starting"]
         try:
-            watchdog()
-            scenario.prepare(rig)
+            outcomes[run_once(target, stage, previous)] += 1
         except BaseException as exc:
-            raise failure(exc, f"preparing the next run failed after {previous}") from None
-        result = "the call did not end"
-        try:
-            result = call_interrupted(lambda: scenario.call(rig), target)
-            outcomes[result] += 1
-            rig.check()
-        except BaseException as exc:
-            raise failure(exc, f"{where}; {result}") from None
+            raise failure(exc, f"{where}; {stage[0]}") from None
         previous = where
-    watchdog()
-    rig.pipe.close()
     return outcomes
 
 
@@ -307,28 +317,21 @@ def every_line_of_close() -> Counter[str]:
     assert fresh_threads(before) == [], "threads left running after close()"
     print(f"TARGETS {len(targets)}", flush=True)
 
-    outcomes: Counter[str] = Counter()
-    previous = "the dry run"
-    for target in targets:
-        where = f"close: Ctrl-C at {describe(target)}"
-        print(f"AT {where}", flush=True)
+    def run_once(target, stage: list[str], previous: str) -> str:
         before = set(threading.enumerate())
-        result = f"building and training a fresh model failed after {previous}"
-        try:
-            rig = Rig.build()
-            watchdog()
-            rig.train_and_step()
-            result = "the first close() did not end"
-            result = call_interrupted(rig.pipe.close, target)
-            outcomes[result] += 1
-            watchdog()
-            rig.pipe.close()
-            left = fresh_threads(before)
-            assert left == [], f"threads left running after the second close(): {left}"
-        except BaseException as exc:
-            raise failure(exc, f"{where}; {result}") from None
-        previous = where
-    return outcomes
+        stage[0] = f"building and training a fresh model failed after {previous}"
+        rig = Rig.build()
+        watchdog()
+        rig.train_and_step()
+        stage[0] = "the first close() did not end"
+        result = stage[0] = call_interrupted(rig.pipe.close, target)
+        watchdog()
+        rig.pipe.close()
+        left = fresh_threads(before)
+        assert left == [], f"threads left running after the second close(): {left}"
+        return result
+
+    return inject_each(targets, "close", run_once)
 
 
 def main(method: str) -> None:
