@@ -105,8 +105,9 @@ def save(store, pool, buffers, path, optimizer, lr_scheduler, grad_scaler, extra
 
 
 def load(store, pool, buffers, path, optimizer, lr_scheduler, grad_scaler) -> tuple[Any, dict]:
-    """Restore what :func:`save` wrote; returns its ``extra``. The caller has drained the
-    runtime; it adopts the written weights afterwards, then :func:`restore_masters`."""
+    """Restore what :func:`save` wrote; returns its ``extra`` and the saved masters. The
+    caller has drained the runtime; it adopts the written weights afterwards, then
+    :func:`restore_masters` sets the masters to their full-precision values."""
     path = _existing(Path(path))
     with open(path / "state.json") as file:
         state = json.load(file)

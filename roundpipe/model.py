@@ -62,7 +62,7 @@ class RoundPipe(Checkpoints, FromHuggingFace, nn.Module):
         pin_model: str = "auto",
         emulated_options: EmulatedOptions | None = None,
         grad_scaler: torch.amp.GradScaler | None = None,
-        _param_names: dict[int, str] | None = None,
+        _names_from: nn.Module | None = None,
     ) -> None:
         super().__init__()
         model_run_config = checked_run_config(model_run_config, "model_run_config")
@@ -91,7 +91,7 @@ class RoundPipe(Checkpoints, FromHuggingFace, nn.Module):
             pin_model,
             grad_scaler,
             self.profiler,
-            _param_names,
+            _names_from,
         )
         # Stops the threads of a model collected without close(); holds no reference to it.
         self._finalizer = weakref.finalize(self, finalize_unclosed, self._session)

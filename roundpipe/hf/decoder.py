@@ -20,6 +20,7 @@ which makes the call's loss the batch mean ``model(**batch).loss`` computes.
 from __future__ import annotations
 
 import copy
+import functools
 import inspect
 
 import torch
@@ -33,6 +34,7 @@ IGNORE_INDEX = -100
 LOSS_CHUNK_TOKENS = 4096
 
 
+@functools.cache
 def _mask_kwargs() -> str:
     """The name transformers' mask builders give the KV-cache argument."""
     from transformers.masking_utils import create_causal_mask

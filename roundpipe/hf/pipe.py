@@ -123,10 +123,7 @@ def from_hf(model, **options) -> HFRoundPipe:
     is_peft = hasattr(model, "peft_config") and hasattr(model, "get_base_model")
     causal_lm = model.get_base_model() if is_peft else model
     family = family_of(causal_lm)
-    names: dict[int, str] = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
-        names.setdefault(id(param), name)
-    pipe = HFRoundPipe(decoder_layers(causal_lm, family), _param_names=names, **options)
+    pipe = HFRoundPipe(decoder_layers(causal_lm, family), _names_from=model, **options)
     pipe.max_positions = getattr(causal_lm.config, "max_position_embeddings", None)
     pipe.__dict__["_hf_model"] = model  # not a submodule: its parameters are the layers'
     return pipe

@@ -98,14 +98,13 @@ class Session:
         pin_model: str,
         grad_scaler,
         profiler: LayerProfiler,
-        param_names: dict[int, str] | None = None,
+        names_from: torch.nn.Module | None = None,
     ) -> Session:
         """The host state and threads (not started yet) of a model wrapped on ``pool``;
-        parameters are named by ``param_names`` (by ``id``) or as ``model`` names them."""
-        names: dict[int, str] = dict(param_names or {})
-        if not names:
-            for name, param in model.named_parameters(remove_duplicate=False):
-                names.setdefault(id(param), name)
+        parameters are named as ``names_from`` (default: ``model``) names them."""
+        names: dict[int, str] = {}
+        for name, param in (names_from or model).named_parameters(remove_duplicate=False):
+            names.setdefault(id(param), name)
         pin = functools.partial(pool.pin, mode=pin_model)
         store = ParameterStore(layers, names, optim_dtype, pin=pin)
         versions = WeightVersions(store, pin)
@@ -250,8 +249,6 @@ class Session:
         failed = [c for c in ledger.since_step if c.failed or not c.returned]
         discard = any(c.accumulated for c in failed)
         self.pool.clear_errors()
-        for worker in self.workers:
-            worker.forget_events()
         if self.versions.published.failed:
             self.versions.republish(ledger.versions)
         if discard:

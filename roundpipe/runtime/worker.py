@@ -90,10 +90,8 @@ class DeviceWorker:
         self._followups: queue.SimpleQueue = queue.SimpleQueue()
         self._threads: list[threading.Thread] = []
         self._start_lock = threading.Lock()
-        # The last jobs prefetched (the memory bound waits on the one that far back),
-        # and the last compute events (activations are uploaded one microbatch ahead).
+        # The last jobs prefetched: the memory bound waits on the one that far back.
         self._prefetched: collections.deque[DeviceJob] = collections.deque(maxlen=MAX_PREFETCH + 1)
-        self.compute_marks: collections.deque[Event] = collections.deque(maxlen=2)
 
     # -- threads ---------------------------------------------------------------------
 
@@ -124,10 +122,6 @@ class DeviceWorker:
                 tasks.put(_STOP)
                 thread.join()
             self._threads = []
-
-    def forget_events(self) -> None:
-        """After a failure: drop remembered events, which may carry the error."""
-        self.compute_marks.clear()
 
     def submit(self, call: Call, job: Job) -> None:
         self.start()

@@ -72,8 +72,6 @@ def run(ops: Sequence[Op]) -> dict[Hashable, Timing]:
     queues: dict[tuple[int, str], list[tuple[int, Op]]] = {}
     for order, op in enumerate(ops):
         queues.setdefault((op.device, op.stream), []).append((order, op))
-    if not any(op.resource is not None for op in ops):
-        return _run_independent(queues, len(ops))
     heads = dict.fromkeys(queues, 0)
     free = dict.fromkeys(queues, 0.0)
     busy: dict[Hashable, float] = {}
@@ -114,29 +112,6 @@ def run(ops: Sequence[Op]) -> dict[Hashable, Timing]:
             touched.update(q for q in sharing[op.resource] if q in candidates)
         for touched_key in touched:
             consider(touched_key)
-    return timings
-
-
-def _run_independent(queues, remaining: int) -> dict[Hashable, Timing]:
-    """No shared resources: each queue can be timed as far as its dependencies allow."""
-    heads = dict.fromkeys(queues, 0)
-    free = dict.fromkeys(queues, 0.0)
-    timings: dict[Hashable, Timing] = {}
-    while remaining:
-        progressed = False
-        for queue_key, queue in queues.items():
-            while heads[queue_key] < len(queue):
-                op = queue[heads[queue_key]][1]
-                if not all(dep.key in timings for dep in op.deps):
-                    break
-                timing = _time(op, free[queue_key], timings)
-                timings[op.key] = timing
-                free[queue_key] = timing.end
-                heads[queue_key] += 1
-                remaining -= 1
-                progressed = True
-        if not progressed:
-            raise SimulationError(_deadlock_message(queues, heads, timings))
     return timings
 
 
