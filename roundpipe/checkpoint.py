@@ -66,10 +66,22 @@ class Checkpoints:
 
 def save(store, pool, buffers, path, optimizer, lr_scheduler, grad_scaler, extra) -> None:
     path = Path(path)
-    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
     names = [entry.name for entry in store.entries.values()]
+    state: dict[str, Any] = {"format": FORMAT, "parameters": names, "extra": extra}
+    tensors = {}
+    if optimizer is not None:
+        tensors, state["optimizer"] = _split_optimizer(optimizer.state_dict())
+    if lr_scheduler is not None:
+        state["lr_scheduler"] = lr_scheduler.state_dict()
+    if grad_scaler is not None:
+        state["grad_scaler"] = grad_scaler.state_dict()
+    try:  # before anything is written: a value JSON cannot hold fails the save cleanly
+        encoded = json.dumps(state)
+    except (TypeError, ValueError) as exc:
+        raise TypeError(
+            f"save_checkpoint: extra, the scheduler and the scaler state must be JSON "
+            f"data (dicts, lists, numbers, strings): {exc}"
+        ) from exc
     weights = {f"param/{e.name}": e.param.detach() for e in store.entries.values()}
     weights.update({f"buffer/{name}": b for name, b in buffers})
     masters: dict[str, torch.Tensor] = {}
@@ -78,29 +90,25 @@ def save(store, pool, buffers, path, optimizer, lr_scheduler, grad_scaler, extra
         if master.grad is not None:
             masters[f"grad/{name}"] = master.grad
     rng = {"cpu": torch.get_rng_state()}
-    rng.update(
-        {
-            f"device/{i}": d.get_rng_state()
-            for i, d in enumerate(pool)
-            if d.torch_device.type != "cpu"
-        }
-    )
-    state: dict[str, Any] = {"format": FORMAT, "parameters": names, "extra": extra}
-    _write_tensors(tmp / "weights.safetensors", weights)
-    _write_tensors(tmp / "masters.safetensors", masters)
-    _write_tensors(tmp / "rng.safetensors", rng)
-    if optimizer is not None:
-        tensors, rest = _split_optimizer(optimizer.state_dict())
-        _write_tensors(tmp / "optimizer.safetensors", tensors)
-        state["optimizer"] = rest
-    if lr_scheduler is not None:
-        state["lr_scheduler"] = lr_scheduler.state_dict()
-    if grad_scaler is not None:
-        state["grad_scaler"] = grad_scaler.state_dict()
-    with open(tmp / "state.json", "w") as file:
-        json.dump(state, file)
-        file.flush()
-        os.fsync(file.fileno())
+    for i, device in enumerate(pool):
+        if device.torch_device.type != "cpu":
+            rng[f"device/{i}"] = device.get_rng_state()
+    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        _write_tensors(tmp / "weights.safetensors", weights)
+        _write_tensors(tmp / "masters.safetensors", masters)
+        _write_tensors(tmp / "rng.safetensors", rng)
+        if optimizer is not None:
+            _write_tensors(tmp / "optimizer.safetensors", tensors)
+        with open(tmp / "state.json", "w") as file:
+            file.write(encoded)
+            file.flush()
+            os.fsync(file.fileno())
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     _swap(tmp, path)
 
 

@@ -133,3 +133,13 @@ def test_a_save_killed_with_sigkill_leaves_a_loadable_checkpoint(tmp_path, delay
         assert isinstance(extra, int) and extra >= 1
         for master, param in zip(pipe.optim_parameters(), model.parameters(), strict=True):
             assert torch.equal(master, param.detach())  # a complete, consistent checkpoint
+
+
+def test_an_extra_json_cannot_hold_is_refused_and_the_old_checkpoint_kept(tmp_path):
+    path = tmp_path / "ckpt"
+    with RoundPipe(mlp8(0), devices="emulated:2", model_run_config=CONFIG) as pipe:
+        pipe.save_checkpoint(path, extra="first")
+        with pytest.raises(TypeError, match="JSON"):
+            pipe.save_checkpoint(path, extra={"a set": {1, 2}})
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]  # nothing left over
+        assert pipe.load_checkpoint(path) == "first"
