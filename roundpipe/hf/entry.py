@@ -24,6 +24,6 @@ class FromHuggingFace:
         """``from_hf`` of the model in a local directory: ``torch_dtype`` (default
         ``torch.bfloat16``), ``lora=peft.LoraConfig(...)`` for adapters, and the options
         of ``RoundPipe(...)``."""
-        from .pipe import from_pretrained
+        from .loading import from_pretrained
 
         return from_pretrained(path, **options)

@@ -8,7 +8,6 @@ of microbatch means, and the gradients of that loss.
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -127,26 +126,3 @@ def from_hf(model, **options) -> HFRoundPipe:
     pipe.max_positions = getattr(causal_lm.config, "max_position_embeddings", None)
     pipe.__dict__["_hf_model"] = model  # not a submodule: its parameters are the layers'
     return pipe
-
-
-def from_pretrained(path, *, torch_dtype=torch.bfloat16, lora=None, **options) -> HFRoundPipe:
-    """A local Hugging Face model directory, loaded with ``transformers`` in
-    ``torch_dtype``, optionally wrapped with ``peft`` for ``lora`` (a ``LoraConfig``)."""
-    import transformers
-    from packaging.version import Version
-
-    directory = Path(path)
-    if not (directory / "config.json").is_file():
-        raise FileNotFoundError(
-            f"{directory} is not a Hugging Face model directory (it has no config.json); "
-            "RoundPipe.from_pretrained loads local directories only"
-        )
-    dtype_kwarg = "dtype" if Version(transformers.__version__) >= Version("4.56") else "torch_dtype"
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        directory, **{dtype_kwarg: torch_dtype}
-    )
-    if lora is not None:
-        import peft
-
-        model = peft.get_peft_model(model, lora)
-    return from_hf(model, **options)
