@@ -77,9 +77,9 @@ def padded_batch(rows: int = 5, length: int = 10, side: str = "right", seed: int
     return {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
 
-def hf_loss_and_grads(model, batch):
+def hf_loss_and_grads(model, batch, **kwargs):
     reference = copy.deepcopy(model)
-    loss = reference(**batch).loss
+    loss = reference(**batch, **kwargs).loss
     loss.backward()
     return loss.detach(), {n: p.grad for n, p in reference.named_parameters()}
 

@@ -4,11 +4,13 @@ One generic adapter serves every supported family: an embedding layer, one layer
 decoder layer, and a head (final norm, LM head and the loss). The layers hold the
 model's own modules, so its parameters are trained in place and keep their names.
 
-What crosses a stage boundary is ``(hidden, attention_mask, labels)``: the hidden
-states (the only tensor that needs a gradient), the B×S 0/1 attention mask and the
-labels (integers). Each decoder layer rebuilds what it needs from them on its device:
-position ids, rotary tables and the causal/padding mask, as the model's own forward
-builds them — so nothing O(S²) travels between stages.
+What crosses a stage boundary is ``(hidden, attention_mask, position_ids, labels)``:
+the hidden states (the only tensor that needs a gradient), the B×S 0/1 attention mask,
+the B×S position ids of packed sequences (``None`` otherwise) and the labels
+(integers). Each decoder layer rebuilds what it needs from them on its device: the
+position ids (``0 … S−1`` unless given), rotary tables and the causal/padding mask —
+block-diagonal for packed sequences, whose positions restart at 0 — as the model's own
+forward builds them, so nothing O(S²) travels between stages.
 
 The head computes the cross-entropy of the shifted labels in chunks of tokens, each
 recomputed in backward (``torch.utils.checkpoint``), so the fp32 logits of the whole
@@ -51,8 +53,8 @@ class EmbedLayer(nn.Module):
         super().__init__()
         self.embed_tokens = embed_tokens
 
-    def forward(self, input_ids, attention_mask=None, labels=None):
-        return self.embed_tokens(input_ids), attention_mask, labels
+    def forward(self, input_ids, attention_mask=None, position_ids=None, labels=None):
+        return self.embed_tokens(input_ids), attention_mask, position_ids, labels
 
 
 class DecoderLayer(nn.Module):
@@ -68,15 +70,17 @@ class DecoderLayer(nn.Module):
         self._cache_kwarg = _mask_kwargs()
 
     def forward(self, state):
-        hidden, attention_mask, labels = state
-        positions = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
+        hidden, attention_mask, position_ids, labels = state
+        positions = position_ids
+        if positions is None:
+            positions = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
         mask = self._mask(hidden, attention_mask, positions)
         cos_sin = self.rotary(hidden, positions)
         out = self.layer(
             hidden, attention_mask=mask, position_ids=positions, position_embeddings=cos_sin
         )
         hidden = out[0] if isinstance(out, tuple) else out
-        return hidden, attention_mask, labels
+        return hidden, attention_mask, position_ids, labels
 
     def _mask(self, hidden, attention_mask, positions):
         from transformers.masking_utils import (
@@ -108,7 +112,7 @@ class HeadLayer(nn.Module):
         self.chunk_tokens = chunk_tokens
 
     def forward(self, state):
-        hidden, _, labels = state
+        hidden, _, _, labels = state
         hidden = self.norm(hidden)
         if labels is None:
             return self.lm_head(hidden)

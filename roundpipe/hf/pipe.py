@@ -3,7 +3,9 @@
 ``forward_backward(input_kwargs={"input_ids", "attention_mask", "labels"})`` returns
 what ``model(**batch).loss`` returns for the whole batch: the mean cross-entropy over
 every label token of the batch (labels shifted by one, ``-100`` ignored), not a mean
-of microbatch means, and the gradients of that loss.
+of microbatch means, and the gradients of that loss. Packed sequences pass
+``position_ids`` that restart at 0 for each example instead of an ``attention_mask``;
+attention then stays inside each example (as ``transformers`` does it).
 """
 
 from __future__ import annotations
@@ -75,10 +77,11 @@ class HFRoundPipe(RoundPipe):
 
     def _checked_batch(self, kwargs: dict | None, training: bool) -> dict:
         batch = dict(kwargs or {})
-        unknown = set(batch) - {"input_ids", "attention_mask", "labels"}
+        unknown = set(batch) - {"input_ids", "attention_mask", "position_ids", "labels"}
         if unknown:
             raise TypeError(
-                f"unexpected inputs {sorted(unknown)}: pass input_ids, attention_mask, labels"
+                f"unexpected inputs {sorted(unknown)}: pass input_ids, attention_mask, "
+                "position_ids (packed sequences), labels"
             )
         ids = batch.get("input_ids")
         if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.is_floating_point():
@@ -104,6 +107,9 @@ class HFRoundPipe(RoundPipe):
             if bool(((mask != 0) & (mask != 1)).any()):
                 raise ValueError("attention_mask must hold only 0 and 1")
             batch["attention_mask"] = mask.long()
+        positions = batch.get("position_ids")
+        if positions is not None:
+            batch["position_ids"] = self._checked_positions(positions, ids.shape, mask)
         labels = batch.get("labels")
         if training and labels is None:
             raise ValueError("training needs labels (the targets; -100 marks ignored positions)")
@@ -113,6 +119,29 @@ class HFRoundPipe(RoundPipe):
             if not training:
                 batch.pop("labels")
         return batch
+
+    def _checked_positions(self, positions, shape, mask) -> torch.Tensor:
+        if (
+            not isinstance(positions, torch.Tensor)
+            or positions.shape != shape
+            or positions.is_floating_point()
+        ):
+            raise ValueError(f"position_ids must be an integer tensor of shape {tuple(shape)}")
+        if bool((positions < 0).any()) or (
+            self.max_positions is not None and bool((positions >= self.max_positions).any())
+        ):
+            raise ValueError(
+                f"position_ids must lie in [0, {self.max_positions}) (the model's positions)"
+            )
+        restarts = bool((positions[:, 1:] - positions[:, :-1] != 1).any())
+        if restarts and mask is not None:
+            # transformers only derives the block-diagonal mask of packed sequences
+            # without an attention_mask; with one, attention would cross examples.
+            raise ValueError(
+                "packed sequences (position_ids that restart) take no attention_mask: "
+                "attention is kept inside each example by the position ids alone"
+            )
+        return positions.long()
 
 
 def from_hf(model, **options) -> HFRoundPipe:
