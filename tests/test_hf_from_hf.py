@@ -190,11 +190,35 @@ def test_bad_batches_are_refused_before_any_work(change, message):
         pipe.forward_backward(input_kwargs=batch)
 
 
-def test_the_router_auxiliary_loss_is_refused_not_silently_dropped():
-    model = build("qwen3_moe")
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+@pytest.mark.parametrize("microbatches", [1, 2])
+def test_the_router_auxiliary_loss_is_weighted_by_label_tokens(family, microbatches):
+    """The oracle: each microbatch's own HF loss (token mean + coef × its router loss),
+    weighted by the microbatch's share of the batch's label tokens."""
+    model = build(family)
     model.config.output_router_logits = True
-    with pytest.raises(NotImplementedError, match="output_router_logits"):
-        RoundPipe.from_hf(model, devices="emulated:1")
+    model.router_aux_loss_coef = 0.5  # large enough to matter
+    if family == "qwen3_moe":
+        model.config.mlp_only_layers = [1]  # dense layers route nothing
+    batch = padded_batch(rows=4, side="right")
+    reference = copy.deepcopy(model)
+    counts = [(batch["labels"][rows, 1:] != -100).sum() for rows in (slice(0, 2), slice(2, 4))]
+    pieces = [slice(0, 4)] if microbatches == 1 else [slice(0, 2), slice(2, 4)]
+    want = 0
+    for rows in pieces:
+        count = (batch["labels"][rows, 1:] != -100).sum()
+        want = want + reference(**{k: v[rows] for k, v in batch.items()}).loss * count / sum(counts)
+    want.backward()
+    config = RoundPipeRunConfig(num_microbatch=microbatches)
+    RoundPipe.from_hf(model, devices="emulated:1").close()  # wrapping twice hooks once
+    with RoundPipe.from_hf(model, devices="emulated:2", model_run_config=config) as pipe:
+        loss = pipe.forward_backward(input_kwargs=batch)
+        pipe.synchronize()
+    torch.testing.assert_close(loss.detach(), want.detach(), rtol=1e-5, atol=1e-6)
+    routers = [m for m in model.modules() if type(m).__name__.endswith("TopKRouter")]
+    assert routers and all(len(m._forward_hooks) == 1 for m in routers)
+    for (name, param), ref in zip(model.named_parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(param.grad, ref.grad, rtol=1e-4, atol=1e-6, msg=name)
 
 
 def test_an_unsupported_model_names_the_supported_families():

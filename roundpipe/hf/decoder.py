@@ -4,19 +4,23 @@ One generic adapter serves every supported family: an embedding layer, one layer
 decoder layer, and a head (final norm, LM head and the loss). The layers hold the
 model's own modules, so its parameters are trained in place and keep their names.
 
-What crosses a stage boundary is ``(hidden, attention_mask, position_ids, labels)``:
-the hidden states (the only tensor that needs a gradient), the B×S 0/1 attention mask,
-the B×S position ids of packed sequences (``None`` otherwise) and the labels
-(integers). Each decoder layer rebuilds what it needs from them on its device: the
-position ids (``0 … S−1`` unless given), rotary tables and the causal/padding mask —
-block-diagonal for packed sequences, whose positions restart at 0 — as the model's own
-forward builds them, so nothing O(S²) travels between stages.
+What crosses a stage boundary is ``(hidden, attention_mask, position_ids, labels,
+router_sums)``: the hidden states (the only big tensor that needs a gradient), the B×S
+0/1 attention mask, the B×S position ids of packed sequences (``None`` otherwise), the
+labels (integers) and, for a MoE model whose config asks for the router loss, the
+running sums that loss is built from (:mod:`.router`; ``None`` otherwise). Each
+decoder layer rebuilds what it needs from them on its device: the position ids
+(``0 … S−1`` unless given), rotary tables and the causal/padding mask — block-diagonal
+for packed sequences, whose positions restart at 0 — as the model's own forward builds
+them, so nothing O(S²) travels between stages.
 
 The head computes the cross-entropy of the shifted labels in chunks of tokens, each
 recomputed in backward (``torch.utils.checkpoint``), so the fp32 logits of the whole
 sequence never exist at once. It returns the *sum* of the token losses of its
-microbatch; the caller divides by the number of label tokens in the whole batch,
-which makes the call's loss the batch mean ``model(**batch).loss`` computes.
+microbatch (plus the router loss of the microbatch times its number of label tokens);
+the caller divides by the number of label tokens in the whole batch, which makes the
+call's loss the batch mean ``model(**batch).loss`` computes (with the router loss of
+each microbatch weighted by its share of the label tokens).
 """
 
 from __future__ import annotations
@@ -31,6 +35,15 @@ from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
 
 from .families import Family
+from .router import (
+    RouterLoss,
+    add_router_sums,
+    aux_loss,
+    capture,
+    hook_routers,
+    router_class,
+    router_loss_of,
+)
 
 IGNORE_INDEX = -100
 LOSS_CHUNK_TOKENS = 4096
@@ -54,33 +67,46 @@ class EmbedLayer(nn.Module):
         self.embed_tokens = embed_tokens
 
     def forward(self, input_ids, attention_mask=None, position_ids=None, labels=None):
-        return self.embed_tokens(input_ids), attention_mask, position_ids, labels
+        return self.embed_tokens(input_ids), attention_mask, position_ids, labels, None
 
 
 class DecoderLayer(nn.Module):
     """One decoder layer of the model, with its own copy of the rotary embedding (its
     tables are derived constants, not weights)."""
 
-    def __init__(self, layer: nn.Module, rotary: nn.Module, config, mask_kind: str) -> None:
+    def __init__(
+        self,
+        layer: nn.Module,
+        rotary: nn.Module,
+        config,
+        mask_kind: str,
+        router_loss: RouterLoss | None = None,
+    ) -> None:
         super().__init__()
         self.layer = layer
         self.rotary = copy.deepcopy(rotary)
         self.config = config
         self.mask_kind = mask_kind
+        self.router_loss = router_loss
         self._cache_kwarg = _mask_kwargs()
 
     def forward(self, state):
-        hidden, attention_mask, position_ids, labels = state
+        hidden, attention_mask, position_ids, labels, router_sums = state
         positions = position_ids
         if positions is None:
             positions = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
         mask = self._mask(hidden, attention_mask, positions)
         cos_sin = self.rotary(hidden, positions)
-        out = self.layer(
-            hidden, attention_mask=mask, position_ids=positions, position_embeddings=cos_sin
-        )
+        with capture() as router_logits:
+            out = self.layer(
+                hidden, attention_mask=mask, position_ids=positions, position_embeddings=cos_sin
+            )
         hidden = out[0] if isinstance(out, tuple) else out
-        return hidden, attention_mask, position_ids, labels
+        if self.router_loss is not None and labels is not None:
+            router_sums = add_router_sums(
+                router_sums, router_logits, attention_mask, self.router_loss
+            )
+        return hidden, attention_mask, position_ids, labels, router_sums
 
     def _mask(self, hidden, attention_mask, positions):
         from transformers.masking_utils import (
@@ -105,14 +131,21 @@ class DecoderLayer(nn.Module):
 class HeadLayer(nn.Module):
     """Final norm and LM head; with labels, the summed loss of the shifted labels."""
 
-    def __init__(self, norm: nn.Module, lm_head: nn.Linear, chunk_tokens: int) -> None:
+    def __init__(
+        self,
+        norm: nn.Module,
+        lm_head: nn.Linear,
+        chunk_tokens: int,
+        router_loss: RouterLoss | None = None,
+    ) -> None:
         super().__init__()
         self.norm = norm
         self.lm_head = lm_head
         self.chunk_tokens = chunk_tokens
+        self.router_loss = router_loss
 
     def forward(self, state):
-        hidden, _, _, labels = state
+        hidden, _, _, labels, router_sums = state
         hidden = self.norm(hidden)
         if labels is None:
             return self.lm_head(hidden)
@@ -130,6 +163,9 @@ class HeadLayer(nn.Module):
             else:
                 loss = _chunk_loss(*args)
             total = total + loss
+        if router_sums is not None:  # weighted by this microbatch's label tokens
+            count = (targets != IGNORE_INDEX).sum()
+            total = total + self.router_loss.coef * aux_loss(router_sums, self.router_loss) * count
         return total
 
 
@@ -144,10 +180,20 @@ def decoder_layers(
     """``model`` (a supported ``*ForCausalLM``) as a sequence of RoundPipe layers."""
     inner = model.get_decoder() if hasattr(model, "get_decoder") else model.model
     config = model.config
+    router_loss = router_loss_of(model)
+    routers = router_class(inner) if router_loss is not None else None
+    if router_loss is not None and routers is None:
+        raise NotImplementedError(
+            f"{type(model).__name__} asks for the router loss (output_router_logits=True) "
+            "but transformers records no router_logits for it"
+        )
     layers = [EmbedLayer(inner.embed_tokens)]
     for index, layer in enumerate(inner.layers[: config.num_hidden_layers]):
+        routed = routers is not None and hook_routers(layer, *routers)
+        kind = family.mask_kind(config, index)
         layers.append(
-            DecoderLayer(layer, inner.rotary_emb, config, family.mask_kind(config, index))
+            DecoderLayer(layer, inner.rotary_emb, config, kind, router_loss if routed else None)
         )
-    layers.append(HeadLayer(inner.norm, model.get_output_embeddings(), chunk_tokens))
+    head = model.get_output_embeddings()
+    layers.append(HeadLayer(inner.norm, head, chunk_tokens, router_loss))
     return nn.Sequential(*layers)

@@ -56,10 +56,4 @@ def family_of(model) -> Family:
             "roundpipe/hf/families.py; any other model can be wrapped as an "
             "nn.Sequential of layers and passed to RoundPipe(...)"
         )
-    if getattr(config, "output_router_logits", False):
-        raise NotImplementedError(
-            f"{family.name} with output_router_logits=True adds the router's auxiliary "
-            "loss to model(**batch).loss; RoundPipe.from_hf does not compute it yet: set "
-            "config.output_router_logits = False"
-        )
     return family
