@@ -2,8 +2,11 @@
 
 A checkpoint is a directory:
 
-- ``weights.safetensors``: every parameter in the model dtype (``param/<name>``) and
-  every buffer (``buffer/<name>``);
+- ``weights.safetensors``: every trainable parameter in the model dtype
+  (``param/<name>``) and every buffer (``buffer/<name>``). Frozen parameters (a LoRA
+  model's base) never change, so only a sample of each is kept (``frozen/<name>``: its
+  first and last elements), enough to refuse a checkpoint saved over other base weights;
+  they come back from the model the checkpoint is loaded into;
 - ``masters.safetensors``: the fp32 (``optim_dtype``) masters and their accumulated
   gradients (``grad/<name>``), by the names ``optim_named_parameters()`` gives;
 - ``optimizer.safetensors`` + the ``optimizer`` entry of ``state.json``: the
@@ -82,7 +85,10 @@ def save(store, pool, buffers, path, optimizer, lr_scheduler, grad_scaler, extra
             f"save_checkpoint: extra, the scheduler and the scaler state must be JSON "
             f"data (dicts, lists, numbers, strings): {exc}"
         ) from exc
-    weights = {f"param/{e.name}": e.param.detach() for e in store.entries.values()}
+    weights = {f"param/{e.name}": e.param.detach() for e in store.entries.values() if e.trainable}
+    weights.update(
+        {f"frozen/{e.name}": _sample(e.param) for e in store.entries.values() if not e.trainable}
+    )
     weights.update({f"buffer/{name}": b for name, b in buffers})
     masters: dict[str, torch.Tensor] = {}
     for name, master in store.masters():
@@ -126,9 +132,18 @@ def load(store, pool, buffers, path, optimizer, lr_scheduler, grad_scaler) -> tu
             f"({len(state.get('parameters', []))} saved, {len(names)} here)"
         )
     weights = _read_tensors(path / "weights.safetensors")
+    for entry in store.entries.values():
+        if not entry.trainable and not torch.equal(
+            _sample(entry.param), weights.get(f"frozen/{entry.name}", torch.empty(0))
+        ):
+            raise ValueError(
+                f"{path} was saved over other weights: the frozen parameter {entry.name} "
+                "differs (load the checkpoint into the model it was trained from)"
+            )
     with torch.no_grad():
         for entry in store.entries.values():
-            entry.param.copy_(weights[f"param/{entry.name}"])
+            if entry.trainable:
+                entry.param.copy_(weights[f"param/{entry.name}"])
         for name, buffer in buffers:
             buffer.copy_(weights[f"buffer/{name}"])
     rng = _read_tensors(path / "rng.safetensors")
@@ -158,6 +173,12 @@ def restore_masters(store, masters: dict[str, torch.Tensor]) -> None:
 
 
 # -- files -------------------------------------------------------------------------------
+
+
+def _sample(param: torch.Tensor) -> torch.Tensor:
+    """The first and last (up to) 64 elements of ``param``: a frozen weight's fingerprint."""
+    flat = param.detach().reshape(-1)
+    return torch.cat([flat[:64], flat[-64:]]).clone()
 
 
 def _write_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:

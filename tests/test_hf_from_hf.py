@@ -319,6 +319,32 @@ def test_a_checkpoint_restores_a_hugging_face_run(tmp_path):
     assert got == want
 
 
+def test_a_lora_checkpoint_holds_the_adapters_not_the_base(tmp_path):
+    pytest.importorskip("peft")
+    from safetensors import safe_open
+
+    batches = [padded_batch(seed=s) for s in range(3)]
+    with RoundPipe.from_hf(lora(build("llama")), devices="emulated:2") as pipe:
+        optimizer = torch.optim.AdamW(pipe.optim_parameters(), lr=1e-2)
+        pipe.forward_backward(input_kwargs=batches[0])
+        pipe.step(lambda: (optimizer.step(), optimizer.zero_grad()))
+        pipe.save_checkpoint(tmp_path / "c", optimizer)
+        want = [float(pipe.forward_backward(input_kwargs=b)) for b in batches[1:]]
+    with safe_open(tmp_path / "c" / "weights.safetensors", "pt") as file:
+        saved = {key.split("/")[0] for key in file.keys() if "lora_" not in key}  # noqa: SIM118
+    assert saved == {"frozen", "buffer"}  # the base weights are only fingerprinted
+    with RoundPipe.from_hf(lora(build("llama")), devices="emulated:2") as pipe:
+        optimizer = torch.optim.AdamW(pipe.optim_parameters(), lr=1e-2)
+        pipe.load_checkpoint(tmp_path / "c", optimizer)
+        got = [float(pipe.forward_backward(input_kwargs=b)) for b in batches[1:]]
+    assert got == want
+    torch.manual_seed(5)
+    other_base = lora(transformers.LlamaForCausalLM(build("llama").config))
+    pipe = RoundPipe.from_hf(other_base, devices="emulated:1")
+    with pipe, pytest.raises(ValueError, match="frozen parameter"):
+        pipe.load_checkpoint(tmp_path / "c")
+
+
 def test_an_fp16_model_trains_with_a_grad_scaler():
     model = build("llama")
     reference = copy.deepcopy(model)
