@@ -1,6 +1,8 @@
-"""Device memory bound: at most ``prefetch_stages`` + 1 stages of weights plus the working
-microbatches, counted when the host allocates (the emulator takes memory at issue time,
-as CUDA's caching allocator does, so a host that runs ahead fails here)."""
+"""Device memory bound: at most ``prefetch_stages`` + 1 stages of weights, one stage of
+gradients (plus the fresh gradient of one layer before it is accumulated) and the
+working microbatches, counted when the host allocates (the emulator takes memory at
+issue time, as CUDA's caching allocator does, so a host that runs ahead fails here)
+and, for what the layers compute, from each tensor's creation until it dies."""
 
 from __future__ import annotations
 
@@ -25,14 +27,20 @@ def wide_model():
 
 
 MICROBATCH_BYTES = 2 * WIDTH * 4  # one microbatch's activation (or its gradient)
-WORKING = 8 * MICROBATCH_BYTES  # activations, gradients and labels being uploaded
+# activations, gradients and labels being uploaded, and what autograd saves
+WORKING = 16 * MICROBATCH_BYTES
+GRADIENTS = STAGE_BYTES + LAYER_BYTES  # a stage's accumulated gradients + one fresh one
+
+
+def bound(prefetch_stages: int) -> int:
+    return (prefetch_stages + 1) * STAGE_BYTES + GRADIENTS + WORKING
 
 
 def train(capacity=None, calls=2, prefetch_stages=1):
     config = RoundPipeRunConfig(
         num_microbatch=5, execute_plan=PLAN, prefetch_stages=prefetch_stages
     )
-    options = EmulatedOptions(capacity_bytes=capacity)
+    options = EmulatedOptions(capacity_bytes=capacity, count_compute_memory=True)
     x, y = torch.randn(10, WIDTH), torch.randn(10, WIDTH)
     with RoundPipe(
         wide_model(), devices="emulated:4", model_run_config=config, emulated_options=options
@@ -48,14 +56,14 @@ def test_a_device_holds_at_most_prefetch_plus_one_stages_plus_working_microbatch
     prefetch_stages,
 ):
     for peak, now in train(calls=3, prefetch_stages=prefetch_stages):
-        assert peak <= (prefetch_stages + 1) * STAGE_BYTES + WORKING
-        assert peak >= STAGE_BYTES  # something was really uploaded and counted
+        assert peak <= bound(prefetch_stages)
+        assert peak >= (prefetch_stages + 1) * STAGE_BYTES  # really uploaded and counted
         assert now == 0  # nothing leaks once the pipeline drained
 
 
 @pytest.mark.parametrize("prefetch_stages", [1, 2])
 def test_training_fits_a_capacity_just_above_the_bound(prefetch_stages):
-    capacity = (prefetch_stages + 1) * STAGE_BYTES + WORKING
+    capacity = bound(prefetch_stages)
     for _ in range(3):  # the host's run-ahead varies from run to run
         train(capacity=capacity, calls=3, prefetch_stages=prefetch_stages)
 

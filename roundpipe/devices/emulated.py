@@ -41,7 +41,7 @@ from .base import (
     Timer,
 )
 from .emulated_link import CopyEngine, HostBus, Tickets
-from .emulated_memory import DeviceMemory
+from .emulated_memory import ComputeAllocations, DeviceMemory
 
 # The CPU generator is one per process, so is the lock that makes "capture RNG
 # state, then draw from it" atomic across emulated devices (and across pools).
@@ -71,6 +71,10 @@ class EmulatedOptions:
     seed: int = 0
     poison_memory: bool = True
     """Fill every block handed out with NaN (all bits set for integers)."""
+    count_compute_memory: bool | None = None
+    """Count what layers compute (activations, saved tensors, logits) as device memory
+    from its creation until it dies, as on a GPU. ``None``: when a capacity is set (it
+    costs a Python hook per operator)."""
 
 
 class _RunningOp(threading.local):
@@ -308,9 +312,13 @@ class EmulatedDevice(Device):
         return self.memory.is_resident(tensor)
 
     def compute_scope(self, info: OpInfo) -> contextlib.AbstractContextManager[None]:
+        scope = contextlib.ExitStack()
         if info.kind in RANDOM_KINDS:
-            return _CPU_RNG_LOCK
-        return contextlib.nullcontext()
+            scope.enter_context(_CPU_RNG_LOCK)
+        count = self.options.count_compute_memory
+        if count or (count is None and self.memory.capacity is not None):
+            scope.enter_context(ComputeAllocations(self.memory, _RUNNING.stream))
+        return scope
 
     def timer(self) -> Timer:
         return _WallClockTimer(self.modelled)

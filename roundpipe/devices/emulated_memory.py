@@ -11,6 +11,10 @@
 - A block handed out is poisoned (NaN, or all bits set for integers), so reading
   memory nobody wrote (a missing copy, a chunk left out) gives a wrong result
   instead of a lucky zero.
+- What a layer computes on the device (activations, tensors autograd saves, logits)
+  is device memory too: inside a compute op, :class:`ComputeAllocations` counts every
+  tensor an operator creates (a storage that is none of its inputs') from its creation
+  until its storage dies, and raises the out-of-memory error a kernel launch would.
 """
 
 from __future__ import annotations
@@ -20,6 +24,8 @@ import weakref
 from collections.abc import Callable
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from ..errors import format_bytes
 
@@ -82,7 +88,21 @@ class DeviceMemory:
     # -- allocation ----------------------------------------------------------------
 
     def allocate(self, like: torch.Tensor, stream=None) -> torch.Tensor:
-        nbytes = like.numel() * like.element_size()
+        self._take(like.numel() * like.element_size())
+        tensor = torch.empty_like(like, memory_format=torch.contiguous_format, device="cpu")
+        if self.poison_blocks:
+            poison(tensor)
+        self._track(tensor, like.numel() * like.element_size(), stream)
+        return tensor
+
+    def adopt(self, tensor: torch.Tensor, stream) -> None:
+        """Count ``tensor``, just created by an operator of a compute op on ``stream``,
+        until its storage dies."""
+        nbytes = tensor.untyped_storage().nbytes()
+        self._take(nbytes)
+        self._track(tensor, nbytes, stream)
+
+    def _take(self, nbytes: int) -> None:
         with self._lock:
             self._reclaim()
             if self.capacity is not None and self._in_use + nbytes > self.capacity:
@@ -93,15 +113,13 @@ class DeviceMemory:
                 )
             self._in_use += nbytes
             self._peak = max(self._peak, self._in_use)
-        tensor = torch.empty_like(like, memory_format=torch.contiguous_format, device="cpu")
-        if self.poison_blocks:
-            poison(tensor)
+
+    def _track(self, tensor: torch.Tensor, nbytes: int, stream) -> None:
         block = _Block(nbytes, stream)
         owner = _owner(tensor)
         key = id(owner)
         self._blocks[key] = block
         weakref.finalize(owner, self._free, key, block)
-        return tensor
 
     def keep_alive(self, tensor: torch.Tensor, stream) -> None:
         block = self._blocks.get(id(_owner(tensor)))
@@ -110,6 +128,9 @@ class DeviceMemory:
 
     def is_resident(self, tensor: torch.Tensor) -> bool:
         return id(_owner(tensor)) in self._blocks
+
+    def is_tracked(self, key: int) -> bool:
+        return key in self._blocks
 
     def _free(self, key: int, block: _Block) -> None:
         """The block's tensor died (on any thread, possibly inside an op)."""
@@ -154,3 +175,33 @@ class DeviceMemory:
         with self._lock:
             self._reclaim()
             self._peak = self._in_use
+
+
+class ComputeAllocations(TorchDispatchMode):
+    """Inside a compute op: every tensor an operator creates is an allocation of the
+    device's memory (what runs on a GPU allocates there). A storage that one of the
+    operator's inputs already has is a view or an in-place result, not a new block."""
+
+    def __init__(self, memory: DeviceMemory, stream) -> None:
+        super().__init__()
+        self.memory = memory
+        self.stream = stream
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if not _BY_STORAGE:
+            return out
+        inputs = {
+            id(t.untyped_storage())
+            for t in tree_leaves((args, kwargs))
+            if isinstance(t, torch.Tensor)
+        }
+        for tensor in tree_leaves(out):
+            if not isinstance(tensor, torch.Tensor):
+                continue
+            storage = tensor.untyped_storage()
+            key = id(storage)
+            if key not in inputs and storage.nbytes() and not self.memory.is_tracked(key):
+                inputs.add(key)
+                self.memory.adopt(tensor, self.stream)
+        return out
