@@ -221,7 +221,9 @@ class RoundPipe(Checkpoints, FromHuggingFace, nn.Module):
         inputs, and accumulates the parameter gradients like ``forward_backward``.
         Prefer ``forward_backward``: it fuses the last stage and overlaps calls.
         """
-        config = self.run_config
+        return self._forward(args, kwargs, self.run_config)
+
+    def _forward(self, args: tuple, kwargs: dict, config: RoundPipeRunConfig) -> Any:
         training = torch.is_grad_enabled() and any(p.requires_grad for p in self.model.parameters())
         if training and config.merge_output is not None:
             raise NotImplementedError(

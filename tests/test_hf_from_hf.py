@@ -142,6 +142,20 @@ def test_inference_returns_the_models_logits(family):
     torch.testing.assert_close(got[valid], want[valid], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("rows", [5, 2])  # 2 rows: fewer than the 3 microbatches
+def test_eval_loss_is_the_models_loss_without_gradients(rows):
+    model = build("qwen3")
+    batch = {k: v[:rows] for k, v in padded_batch(side="left").items()}
+    with torch.no_grad():
+        want = model(**batch).loss
+    with RoundPipe.from_hf(model, devices="emulated:2") as pipe:
+        pipe.model[-1].chunk_tokens = 7
+        got = pipe.eval_loss(batch)
+        pipe.synchronize()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert all(p.grad is None for p in model.parameters())
+
+
 def test_parameters_keep_the_models_names_and_train_in_place():
     model = build("llama")
     reference = copy.deepcopy(model)

@@ -10,6 +10,7 @@ attention then stays inside each example (as ``transformers`` does it).
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -54,12 +55,7 @@ class HFRoundPipe(RoundPipe):
                 "'labels': ...}) without input_args, label, loss_fn or return_outputs"
             )
         batch = self._checked_batch(input_kwargs, training=True)
-        count = int((batch["labels"][:, 1:] != IGNORE_INDEX).sum())
-        if count == 0:
-            raise ValueError(
-                "the batch has no label token (every label after the first position is "
-                "-100), so its mean loss is undefined"
-            )
+        count = _label_tokens(batch["labels"])
 
         def mean_over_batch(total: torch.Tensor, _label) -> torch.Tensor:
             return total / count
@@ -67,6 +63,21 @@ class HFRoundPipe(RoundPipe):
         return super().forward_backward(
             input_kwargs=batch, loss_fn=mean_over_batch, run_config=run_config
         )
+
+    def eval_loss(self, input_kwargs: dict) -> torch.Tensor:
+        """Without gradients: the loss ``forward_backward`` would return for this batch
+        (the mean over its label tokens, the head's loss computed in chunks, so the
+        logits of the whole batch never exist at once). The weights are not changed."""
+        batch = self._checked_batch(input_kwargs, training=True)
+        count = _label_tokens(batch["labels"])
+        rows = batch["input_ids"].shape[0]
+        config = replace(
+            self.run_config,
+            num_microbatch=min(self._microbatch_count(self.run_config), rows),
+            merge_output=lambda totals: torch.stack([t.float() for t in totals]).sum(),
+        )
+        with torch.no_grad():
+            return self._forward((), batch, config) / count
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """``pipe(input_ids=..., attention_mask=...)``: the logits, as the model returns them."""
@@ -142,6 +153,16 @@ class HFRoundPipe(RoundPipe):
                 "attention is kept inside each example by the position ids alone"
             )
         return positions.long()
+
+
+def _label_tokens(labels: torch.Tensor) -> int:
+    count = int((labels[:, 1:] != IGNORE_INDEX).sum())
+    if count == 0:
+        raise ValueError(
+            "the batch has no label token (every label after the first position is "
+            "-100), so its mean loss is undefined"
+        )
+    return count
 
 
 def from_hf(model, **options) -> HFRoundPipe:
