@@ -213,7 +213,15 @@ class CudaDevicePool(DevicePool):
         (``cudaHostRegister``, undone at :meth:`close`): no copy and none of the
         power-of-two rounding of ``pin_memory()``'s caching host allocator, which could
         double the host memory of the weights. ``"auto"`` registers and falls back to
-        ``"alloc"`` (a pinned copy) where registering fails."""
+        ``"alloc"`` (a pinned copy) where registering fails.
+
+        A tensor that is a view of a file mapping (its storage object carries a
+        ``roundpipe_mapped_file`` attribute, as ``RoundPipe.from_pretrained`` sets on a
+        LoRA model's frozen base weights) stays pageable in every mode: registering it
+        would lock the whole file in RAM and a pinned copy would duplicate it; the
+        driver stages uploads from pageable memory."""
+        if getattr(tensor.untyped_storage(), "roundpipe_mapped_file", None) is not None:
+            return tensor
         if mode == "off" or tensor.is_pinned():
             return tensor
         if mode == "alloc":

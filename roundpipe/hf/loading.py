@@ -1,32 +1,202 @@
-"""``RoundPipe.from_pretrained``: a local Hugging Face model directory as an ``HFRoundPipe``."""
+"""``RoundPipe.from_pretrained``: a local Hugging Face model directory as an ``HFRoundPipe``.
+
+The model is built from its ``config.json`` on the ``meta`` device (no memory), then
+each tensor is read from the safetensors file(s) straight into its final host tensor,
+one at a time, so loading holds one copy of the weights (plus one tensor when the
+file's dtype differs). With LoRA the frozen base weights are not even copied: they
+are views of copy-on-write mappings of the files (:mod:`.safetensors_io`), so a base
+model larger than the free RAM can train; only the adapters and what the devices are
+working on take anonymous memory.
+"""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import torch
+from torch import nn
 
+from .checkpoint_layout import LoadItem, ModelTensor, plan_loading
+from .families import family_of
 from .pipe import HFRoundPipe, from_hf
+from .safetensors_io import FileMappings, checkpoint_tensors, is_mapped, read_into
+
+_ALWAYS_IGNORED = (r"rotary_emb\.inv_freq",)
+"""Checkpoint tensors transformers ignores for every model: older checkpoints saved the
+rotary tables, which are recomputed."""
 
 
 def from_pretrained(path, *, torch_dtype=torch.bfloat16, lora=None, **options) -> HFRoundPipe:
-    """A local Hugging Face model directory, loaded with ``transformers`` in
-    ``torch_dtype``, optionally wrapped with ``peft`` for ``lora`` (a ``LoraConfig``)."""
-    import transformers
-    from packaging.version import Version
+    """The model in the local directory ``path`` (``config.json`` and ``model.safetensors``,
+    or shards listed in ``model.safetensors.index.json``) in ``torch_dtype``, as
+    ``transformers.AutoModelForCausalLM.from_pretrained`` loads it, wrapped with
+    ``RoundPipe.from_hf(model, **options)``. ``torch_dtype`` is a floating point
+    ``torch.dtype``, its name, or ``"auto"``: the dtype ``config.json`` names (fp32 if none).
 
+    Host memory: one copy of the weights (fp32 masters come later, with the first call
+    or ``optim_parameters()``). With ``lora`` (a ``peft.LoraConfig``) the model is
+    wrapped by ``peft.get_peft_model`` and every frozen base weight stored in
+    ``torch_dtype`` stays a view of a copy-on-write mapping of its file: no copy, never
+    page-locked (uploads from it are staged by the GPU driver), paged in and out by the
+    kernel. Base weights stored in another dtype are converted, which makes a copy; so
+    are stacked MoE experts (stored one per expert) and tensors whose bytes are not
+    aligned in the file. Keep the files unchanged while the model lives.
+    """
     directory = Path(path)
     if not (directory / "config.json").is_file():
         raise FileNotFoundError(
             f"{directory} is not a Hugging Face model directory (it has no config.json); "
             "RoundPipe.from_pretrained loads local directories only"
         )
-    dtype_kwarg = "dtype" if Version(transformers.__version__) >= Version("4.56") else "torch_dtype"
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        directory, **{dtype_kwarg: torch_dtype}
-    )
+    import transformers
+
+    config = transformers.AutoConfig.from_pretrained(directory)
+    torch_dtype = _resolved_dtype(torch_dtype, config)
+    model = _empty_model(directory, config, torch_dtype)
+    family_of(model)  # an unsupported model is refused before anything is read
+    stored = checkpoint_tensors(directory)
+    items = plan_loading(_model_tensors(model, torch_dtype), stored, _ignored_patterns(model))
+    _fill(model, items, FileMappings() if lora is not None else None)
+    _recompute_buffers(model)
+    model.eval()  # as transformers' from_pretrained leaves it
     if lora is not None:
         import peft
 
         model = peft.get_peft_model(model, lora)
+        _copy_trainable_views(model)
     return from_hf(model, **options)
+
+
+def _empty_model(directory: Path, config, torch_dtype: torch.dtype) -> nn.Module:
+    """The model of ``config`` with its parameters on the meta device (no memory)."""
+    import transformers
+
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch_dtype)
+    if (directory / "generation_config.json").is_file():
+        model.generation_config = transformers.GenerationConfig.from_pretrained(directory)
+    return model
+
+
+def _resolved_dtype(torch_dtype, config) -> torch.dtype:
+    if isinstance(torch_dtype, str) and torch_dtype == "auto":
+        torch_dtype = getattr(config, "dtype", None) or torch.float32
+    dtype = getattr(torch, torch_dtype, None) if isinstance(torch_dtype, str) else torch_dtype
+    if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise TypeError(
+            f"torch_dtype must be a floating point torch.dtype (e.g. torch.bfloat16), its "
+            f"name, or 'auto'; got {torch_dtype!r}"
+        )
+    return dtype
+
+
+def _model_tensors(model: nn.Module, torch_dtype: torch.dtype) -> list[ModelTensor]:
+    """Every parameter and persistent buffer, tied ones once under all their names, in
+    the dtype transformers loads it in."""
+    names: dict[int, list[str]] = {}
+    tensors: dict[int, tuple[torch.Tensor, bool]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+        tensors[id(param)] = (param, True)
+    for name, buffer in _persistent_buffers(model):
+        names.setdefault(id(buffer), []).append(name)
+        tensors[id(buffer)] = (buffer, False)
+    keep_fp32 = _fp32_patterns(model, torch_dtype)
+    return [
+        ModelTensor(
+            tuple(names[uid]),
+            tuple(tensor.shape),
+            _load_dtype(names[uid][0], tensor, keep_fp32),
+            is_parameter,
+        )
+        for uid, (tensor, is_parameter) in tensors.items()
+    ]
+
+
+def _persistent_buffers(model: nn.Module):
+    for module_name, module in model.named_modules(remove_duplicate=False):
+        for name, buffer in module._buffers.items():
+            if buffer is not None and name not in module._non_persistent_buffers_set:
+                yield (f"{module_name}.{name}" if module_name else name), buffer
+
+
+def _fp32_patterns(model: nn.Module, torch_dtype: torch.dtype) -> list[str]:
+    """Modules transformers keeps in fp32 for this dtype (e.g. GPT-OSS norms in fp16)."""
+    patterns = []
+    if torch_dtype == torch.float16:
+        patterns += list(getattr(model, "_keep_in_fp32_modules", None) or ())
+    if torch_dtype in (torch.float16, torch.bfloat16):
+        patterns += list(getattr(model, "_keep_in_fp32_modules_strict", None) or ())
+    return patterns
+
+
+def _load_dtype(name: str, tensor: torch.Tensor, keep_fp32: list[str]) -> torch.dtype:
+    if any(re.search(pattern, name) for pattern in keep_fp32):
+        return torch.float32
+    return tensor.dtype
+
+
+def _ignored_patterns(model: nn.Module) -> list[str]:
+    """Checkpoint names transformers ignores for this model, and its non-persistent
+    buffers (recomputed, never loaded)."""
+    own = list(getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ())
+    recomputed = [
+        "^" + re.escape(f"{module_name}.{name}" if module_name else name) + "$"
+        for module_name, module in model.named_modules()
+        for name in module._non_persistent_buffers_set
+    ]
+    return [*_ALWAYS_IGNORED, *own, *recomputed]
+
+
+def _fill(model: nn.Module, items: list[LoadItem], mappings: FileMappings | None) -> None:
+    """Replace the model's meta tensors by host tensors holding the checkpoint's values:
+    views of the file mappings where ``mappings`` is given and possible, else copies."""
+    for item in items:
+        target, whole = item.target, item.whole
+        tensor = None
+        if mappings is not None and whole is not None and whole.dtype == target.dtype:
+            tensor = mappings.view(whole)
+        if tensor is None:
+            tensor = torch.empty(target.shape, dtype=target.dtype)
+            for piece in item.pieces:
+                read_into(piece.stored, tensor[piece.index])
+        if target.is_parameter:
+            meta = model.get_parameter(target.names[0])
+            tensor = nn.Parameter(tensor, requires_grad=meta.requires_grad)
+        for name in target.names:  # tied names get the same tensor
+            module_name, _, attr = name.rpartition(".")
+            module = model.get_submodule(module_name)
+            registry = module._parameters if target.is_parameter else module._buffers
+            registry[attr] = tensor
+
+
+def _recompute_buffers(model: nn.Module) -> None:
+    """Compute the non-persistent buffers (the rotary tables, ``inv_freq``), which are not
+    in the checkpoint, by building their module again on the host from its config."""
+    for module_name, module in model.named_modules():
+        stale = [n for n, b in module._buffers.items() if b is not None and b.is_meta]
+        if not stale:
+            continue
+        config = getattr(module, "config", None)
+        if config is None:
+            raise RuntimeError(
+                f"cannot compute the buffers {stale} of {module_name} "
+                f"({type(module).__name__}): they are not in the checkpoint and the module "
+                "has no config to build them from"
+            )
+        with torch.device("cpu"):
+            fresh = type(module)(config)
+        for name in stale:
+            module._buffers[name] = fresh._buffers[name]
+    left = [n for n, t in (*model.named_parameters(), *model.named_buffers()) if t.is_meta]
+    if left:
+        raise RuntimeError(f"tensors left unloaded on the meta device: {left}")
+
+
+def _copy_trainable_views(model: nn.Module) -> None:
+    """A parameter peft made trainable (e.g. a bias with ``bias="all"``) is an ordinary
+    host tensor, not a view of a file: the optimizer writes it."""
+    for param in model.parameters():
+        if param.requires_grad and is_mapped(param):
+            param.data = param.data.clone()
