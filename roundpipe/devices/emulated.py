@@ -235,6 +235,9 @@ class _EmulatedStream(Stream):
                     self._run_op(payload, issued[0], issued[1])
                 if self.engine is not None:
                     self.engine.op_finished(issued[1], self._next_ready_ticket())
+            # What the op referenced (its device tensors) dies now, not when the next
+            # op arrives: an op that ran holds nothing on a GPU either.
+            item = payload = None
             with self._cond:
                 self._busy = False
 
