@@ -1,4 +1,5 @@
-"""The ``roundpipe`` command line: ``roundpipe simulate ...``.
+"""The ``roundpipe`` command line: ``roundpipe simulate ...`` and ``roundpipe train ...``
+(the latter in :mod:`roundpipe.train.command`).
 
 Two modes of ``simulate``:
 
@@ -25,6 +26,7 @@ from .sim.baselines import BASELINES, simulate_baseline
 from .sim.costs import HARDWARE_PRESETS, CostModel, LayerCosts, hardware
 from .sim.result import SimResult
 from .sim.roundpipe_schedule import simulate_roundpipe
+from .train.command import add_train_parser
 
 SCHEDULES = ("roundpipe", *BASELINES)
 _MS = 1e-3
@@ -80,6 +82,7 @@ def _parser() -> argparse.ArgumentParser:
     model.add_argument("--batch", type=int, default=16, help="sequences per iteration")
     model.add_argument("--mfu", type=float, default=0.6, help="fraction of peak FLOP/s reached")
     sim.set_defaults(run=_simulate)
+    add_train_parser(commands)
     return parser
 
 

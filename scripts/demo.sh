@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
-# Train a tiny character-level language model on 4 emulated devices (no GPU needed).
-source "$(dirname "$0")/_venv.sh" plot
-exec .venv/bin/python examples/train_tiny_lm.py "$@"
+# Fine-tune a tiny Qwen3-architecture model on a small chat dataset shipped in the repo,
+# on emulated devices (CUDA when present): `roundpipe train --demo`. No downloads.
+source "$(dirname "$0")/_venv.sh" train
+exec .venv/bin/roundpipe train --demo "$@"

@@ -1,0 +1,355 @@
+"""The options of ``roundpipe train``: one table for the command line, ``--config`` YAML
+files and ``run.yaml``.
+
+Options come from four layers, each overriding the one before: the defaults, the
+``--demo`` preset, a ``--config`` YAML file (keys are option names, written with ``-``
+or ``_``; ``null`` means "not given") and the command line. :func:`resolve` merges the
+layers and checks them; everything that needs the model (``--seq-len``'s cap, the
+number of steps of ``--epochs``) is checked later, when the model directory is read.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import os
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass, fields, replace
+from pathlib import Path
+from typing import Any
+
+PRECISIONS = ("bf16", "fp16", "fp32")
+SCHEDULES = ("cosine", "linear", "constant")
+DEVICE_SPEC = re.compile(r"cuda(:\d+(,\d+)*)?|emulated:[1-9]\d*")
+SHAPE_KEYS = ("model", "full", "lora_r", "lora_targets")
+"""Options a checkpoint must agree with: they decide which parameters exist."""
+INVOCATION_KEYS = ("config", "demo", "resume")
+"""Options about how this command was started, not about the run (left out of run.yaml)."""
+
+
+class UsageError(ValueError):
+    """Bad or contradictory options, or inputs that cannot work: exit code 2."""
+
+
+@dataclass(frozen=True)
+class Option:
+    """One option: ``--name`` on the command line, ``name`` (or ``name_with_underscores``)
+    in YAML. ``parse`` converts a string; ``None`` marks an on/off flag."""
+
+    name: str
+    parse: Callable[[str], Any] | None
+    default: Any
+    help: str
+    group: str
+    choices: tuple[str, ...] | None = None
+
+    @property
+    def key(self) -> str:
+        return self.name.replace("-", "_")
+
+
+_IO, _LORA, _RUN, _LENGTH, _OPTIM, _SAVE = (
+    "model and data",
+    "what trains",
+    "devices and precision",
+    "how long, and the batches",
+    "optimizer",
+    "evaluation, checkpoints and resume",
+)
+
+OPTIONS: tuple[Option, ...] = (
+    Option("model", Path, None, "a local Hugging Face model directory", _IO),
+    Option("data", Path, None, "training data, JSONL (text, prompt+completion or messages)", _IO),
+    Option("output", Path, None, "where the result, checkpoints and metrics go", _IO),
+    Option(
+        "eval-data",
+        Path,
+        None,
+        "held-out JSONL: its mean token loss is logged at the end (see --eval-every)",
+        _IO,
+    ),
+    Option("config", Path, None, "a YAML file of these options (flags given here win)", _IO),
+    Option("demo", None, False, "train a tiny model on a built-in chat set (no --model)", _IO),
+    Option("full", None, False, "train every weight instead of a LoRA adapter", _LORA),
+    Option("lora-r", int, 16, "LoRA rank", _LORA),
+    Option("lora-alpha", float, 32.0, "LoRA scaling numerator (scale = alpha / r)", _LORA),
+    Option(
+        "lora-targets",
+        str,
+        "all-linear",
+        "modules that get adapters: 'all-linear' or a comma list (q_proj,v_proj)",
+        _LORA,
+    ),
+    Option("lora-dropout", float, 0.0, "dropout on the adapters' input", _LORA),
+    Option("devices", str, None, "'cuda', 'cuda:0,1' or 'emulated:N' (default: cuda if any)", _RUN),
+    Option(
+        "precision",
+        str,
+        None,
+        "weights' dtype (default: bf16 on CUDA, fp32 else)",
+        _RUN,
+        PRECISIONS,
+    ),
+    Option("sync", None, False, "exact synchronous optimizer steps (default: async)", _RUN),
+    Option("microbatches", int, None, "microbatches per step (default: devices + 1)", _RUN),
+    Option(
+        "steps",
+        int,
+        None,
+        "optimizer steps; may be raised on --resume (the LR schedule then spans the new total)",
+        _LENGTH,
+    ),
+    Option("epochs", int, None, "passes over the data (default 1 without --steps)", _LENGTH),
+    Option("batch-size", int, 8, "sequences per step", _LENGTH),
+    Option("seq-len", int, None, "tokens per sequence (default 1024 or the model's max)", _LENGTH),
+    Option("packing", None, False, "pack several examples into each sequence", _LENGTH),
+    Option("seed", int, 0, "seed of the data order and the adapters' initialisation", _LENGTH),
+    Option("lr", float, 2e-4, "peak learning rate (AdamW)", _OPTIM),
+    Option("warmup-steps", int, 0, "steps of linear warm-up to --lr", _OPTIM),
+    Option("schedule", str, "cosine", "decay to 0 after warm-up, or constant", _OPTIM, SCHEDULES),
+    Option("grad-clip", float, 1.0, "clip the gradients' global norm (0: off)", _OPTIM),
+    Option("weight-decay", float, 0.0, "AdamW weight decay", _OPTIM),
+    Option("eval-every", int, None, "evaluate every N steps (and at the end)", _SAVE),
+    Option("save-every", int, None, "checkpoint every N steps (default: at the end)", _SAVE),
+    Option("keep-checkpoints", int, 2, "how many checkpoints/step-N to keep", _SAVE),
+    Option("resume", None, False, "continue from the newest checkpoint in --output", _SAVE),
+)
+_BY_KEY = {option.key: option for option in OPTIONS}
+_METAVARS = {
+    "model": "DIR", "data": "FILE", "output": "DIR", "eval_data": "FILE", "config": "FILE",
+    "lora_r": "R", "lora_alpha": "ALPHA", "lora_targets": "NAMES", "lora_dropout": "P",
+    "devices": "SPEC", "microbatches": "M", "steps": "N", "epochs": "E", "batch_size": "B",
+    "seq_len": "S", "seed": "SEED", "lr": "LR", "warmup_steps": "W", "grad_clip": "NORM",
+    "weight_decay": "WD", "eval_every": "N", "save_every": "N", "keep_checkpoints": "K",
+}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class TrainOptions:
+    """The options of one run (``None``: not given; :func:`resolve` fills what it can)."""
+
+    model: Path | None
+    data: Path | None
+    output: Path | None
+    eval_data: Path | None
+    config: Path | None
+    demo: bool
+    full: bool
+    lora_r: int
+    lora_alpha: float
+    lora_targets: str
+    lora_dropout: float
+    devices: str | None
+    precision: str | None
+    sync: bool
+    microbatches: int | None
+    steps: int | None
+    epochs: int | None
+    batch_size: int
+    seq_len: int | None
+    packing: bool
+    seed: int
+    lr: float
+    warmup_steps: int
+    schedule: str
+    grad_clip: float
+    weight_decay: float
+    eval_every: int | None
+    save_every: int | None
+    keep_checkpoints: int
+    resume: bool
+
+    def lora_target_modules(self) -> str | list[str]:
+        """``--lora-targets`` as peft's ``target_modules``."""
+        if self.lora_targets == "all-linear":
+            return "all-linear"
+        return [name.strip() for name in self.lora_targets.split(",") if name.strip()]
+
+    def run_record(self) -> dict[str, Any]:
+        """The options as plain data (paths as strings), without the invocation's own."""
+        record = {k: v for k, v in asdict(self).items() if k not in INVOCATION_KEYS}
+        return {k: str(v) if isinstance(v, Path) else v for k, v in record.items()}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add every option to ``parser``; an option not given is absent from the namespace."""
+    groups: dict[str, Any] = {}
+    for option in OPTIONS:
+        group = groups.get(option.group) or parser.add_argument_group(option.group)
+        groups[option.group] = group
+        help_text = option.help
+        if option.default not in (None, False):
+            help_text += f" (default {option.default})"
+        if option.parse is None:
+            action = argparse.BooleanOptionalAction if option.key != "demo" else "store_true"
+            group.add_argument(
+                f"--{option.name}", action=action, default=argparse.SUPPRESS, help=help_text
+            )
+        else:
+            group.add_argument(
+                f"--{option.name}",
+                type=option.parse,
+                choices=option.choices,
+                default=argparse.SUPPRESS,
+                help=help_text,
+                metavar=None if option.choices else _METAVARS[option.key],
+            )
+
+
+def read_config(path: Path) -> dict[str, Any]:
+    """The options of a YAML file, converted as the command line converts them."""
+    import yaml
+
+    try:
+        loaded = yaml.safe_load(Path(path).read_text())
+    except OSError as error:
+        raise UsageError(f"--config {path}: cannot read it ({error.strerror})") from error
+    except yaml.YAMLError as error:
+        raise UsageError(f"--config {path}: not valid YAML: {error}") from error
+    if loaded is None:
+        return {}
+    if not isinstance(loaded, Mapping):
+        raise UsageError(f"--config {path}: expected a mapping of option names to values")
+    return {key: value for key, value in _converted(loaded, path).items() if value is not None}
+
+
+def _converted(loaded: Mapping, path: Path) -> dict[str, Any]:
+    values: dict[str, Any] = {}
+    for raw_key, value in loaded.items():
+        key = str(raw_key).replace("-", "_")
+        option = _BY_KEY.get(key)
+        if option is None or key == "config":
+            close = difflib.get_close_matches(key, [k for k in _BY_KEY if k != "config"], n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise UsageError(f"--config {path}: unknown option {raw_key!r}{hint}")
+        values[key] = None if value is None else _convert(option, value, path)
+    return values
+
+
+def _convert(option: Option, value: Any, path: Path) -> Any:
+    where = f"--config {path}: {option.name}"
+    if option.parse is None:
+        if not isinstance(value, bool):
+            raise UsageError(f"{where} must be true or false, got {value!r}")
+        return value
+    if option.key == "lora_targets" and isinstance(value, list):  # YAML's natural spelling
+        if not all(isinstance(name, str) for name in value):
+            raise UsageError(f"{where} must list module names, got {value!r}")
+        value = ",".join(value)
+    if isinstance(value, (bool, list, dict)):
+        raise UsageError(f"{where} must be a single {option.parse.__name__}, got {value!r}")
+    try:
+        converted = option.parse(str(value))
+    except ValueError as error:
+        raise UsageError(f"{where}: {value!r} is not a valid {option.parse.__name__}") from error
+    if option.choices and converted not in option.choices:
+        raise UsageError(f"{where} must be one of {', '.join(option.choices)}, got {value!r}")
+    return converted
+
+
+def resolve(
+    command_line: Mapping[str, Any],
+    config: Mapping[str, Any] | None = None,
+    preset: Mapping[str, Any] | None = None,
+) -> TrainOptions:
+    """Merge ``preset`` < ``config`` < ``command_line`` over the defaults, fill the
+    machine-dependent defaults and check the result (contradictions count only between
+    options the user gave, in ``config`` or ``command_line``)."""
+    merged: dict[str, Any] = {}
+    given: set[str] = set()
+    for layer in (preset or {}, config or {}, command_line):
+        merged.update({k: v for k, v in layer.items() if v is not None})
+        if layer is not preset:
+            given |= {k for k, v in layer.items() if v is not None}
+    unknown = set(merged) - set(_BY_KEY)
+    if unknown:
+        raise UsageError(f"unknown options: {', '.join(sorted(unknown))}")
+    options = TrainOptions(
+        **{f.name: merged.get(f.name, _BY_KEY[f.name].default) for f in fields(TrainOptions)}
+    )
+    check(options, given)
+    return with_machine_defaults(options)
+
+
+def with_machine_defaults(options: TrainOptions) -> TrainOptions:
+    """``--devices`` and ``--precision`` when not given: CUDA in bf16 where there is a
+    GPU, else 2 emulated devices (or ``ROUNDPIPE_DEVICES``) in fp32."""
+    import torch
+
+    devices = options.devices
+    if devices is None:
+        cuda = torch.cuda.is_available()
+        devices = "cuda" if cuda else os.environ.get("ROUNDPIPE_DEVICES") or "emulated:2"
+    if devices.strip().startswith("cuda") and not torch.cuda.is_available():
+        raise UsageError(
+            f"--devices {devices}: torch sees no CUDA GPU here; use 'emulated:N' on the CPU"
+        )
+    precision = options.precision
+    if precision is None:
+        precision = "bf16" if devices.strip().startswith("cuda") else "fp32"
+    return replace(options, devices=devices, precision=precision)
+
+
+def check(options: TrainOptions, given: set[str]) -> None:
+    """Contradictions and out-of-range values, each named by its option."""
+    o = options
+    if not o.demo:
+        missing = [f"--{n}" for n in ("model", "data", "output") if getattr(o, n) is None]
+        if missing:
+            raise UsageError(f"missing {', '.join(missing)} (or use --demo)")
+    lora_given = sorted(k for k in given if k.startswith("lora_"))
+    if o.full and lora_given:
+        names = ", ".join("--" + k.replace("_", "-") for k in lora_given)
+        raise UsageError(f"--full trains every weight: it contradicts {names}")
+    if o.steps is not None and o.epochs is not None:
+        raise UsageError(f"give --steps ({o.steps}) or --epochs ({o.epochs}), not both")
+    if o.eval_every is not None and o.eval_data is None:
+        raise UsageError("--eval-every needs --eval-data (the file to evaluate on)")
+    for key in ("lora_r", "steps", "epochs", "batch_size", "seq_len", "microbatches",
+                "eval_every", "save_every", "keep_checkpoints"):  # fmt: skip
+        _check_at_least(key, getattr(o, key), 1)
+    for key in ("lr", "lora_alpha"):
+        if getattr(o, key) <= 0:
+            raise UsageError(f"{_flag(key)} must be positive, got {getattr(o, key)}")
+    for key in ("warmup_steps", "grad_clip", "weight_decay"):
+        _check_at_least(key, getattr(o, key), 0)
+    if not 0 <= o.lora_dropout < 1:
+        raise UsageError(f"--lora-dropout must be in [0, 1), got {o.lora_dropout}")
+    if not o.full and not o.lora_target_modules():
+        raise UsageError(f"--lora-targets names no module: {o.lora_targets!r}")
+    if o.microbatches is not None and o.microbatches > o.batch_size:
+        raise UsageError(
+            f"--microbatches {o.microbatches} exceeds --batch-size {o.batch_size}: each "
+            "microbatch needs at least one sequence"
+        )
+    if o.devices is not None and not DEVICE_SPEC.fullmatch(o.devices.replace(" ", "")):
+        raise UsageError(f"--devices {o.devices!r}: use 'cuda', 'cuda:0,1' or 'emulated:N'")
+    if o.precision is not None and o.precision not in PRECISIONS:
+        raise UsageError(f"--precision must be one of {', '.join(PRECISIONS)}")
+    if o.schedule not in SCHEDULES:
+        raise UsageError(f"--schedule must be one of {', '.join(SCHEDULES)}")
+
+
+def _check_at_least(key: str, value: float | None, least: int) -> None:
+    if value is not None and value < least:
+        kind = "a positive number" if least == 1 else "zero or more"
+        raise UsageError(f"{_flag(key)} must be {kind}, got {value}")
+
+
+def _flag(key: str) -> str:
+    return "--" + key.replace("_", "-")
+
+
+def write_run_yaml(options: TrainOptions, path: Path) -> None:
+    """``run.yaml``: the resolved options, loadable again with ``--config``."""
+    import yaml
+
+    Path(path).write_text(yaml.safe_dump(options.run_record(), sort_keys=False))
+
+
+def changed_options(saved: Mapping[str, Any], now: TrainOptions) -> dict[str, tuple[Any, Any]]:
+    """Options whose value differs from ``saved`` (a :meth:`TrainOptions.run_record`):
+    ``{name: (saved, now)}``."""
+    current = now.run_record()
+    return {k: (saved.get(k), v) for k, v in current.items() if saved.get(k) != v}

@@ -1,0 +1,178 @@
+"""Everything ``roundpipe train`` checks and reads before any training: the model
+directory, the tokenizer, the data, the number of steps and the checkpoint to resume.
+
+Each problem is a :class:`~roundpipe.train.options.UsageError` naming the file or the
+option, raised before the model is built.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from .checkpoints import Found, complete_checkpoints, resumable_checkpoints
+from .options import TrainOptions, UsageError
+
+DEFAULT_SEQ_LEN = 1024
+WEIGHT_FILES = (
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "pytorch_model.bin.index.json",
+)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
+REQUIRED_PACKAGES = (
+    ("transformers", "transformers"),
+    ("peft", "peft"),
+    ("tokenizers", "tokenizers"),
+    ("yaml", "pyyaml"),
+    ("matplotlib", "matplotlib"),
+)
+
+
+@dataclass
+class Prepared:
+    """A run ready to start: resolved options, tokenizer, data and where it begins."""
+
+    options: TrainOptions  # model, data and output absolute; seq_len filled in
+    tokenizer: Any
+    train_batches: Any  # roundpipe.train.batches.Batches
+    eval_batches: Any | None
+    total_steps: int
+    resume_from: list[Found]  # newest first; empty for a new run
+    notes: list[str]  # what to tell the user before training starts
+
+
+def check_packages() -> None:
+    """The packages ``roundpipe train`` needs besides torch, each named if missing."""
+    import importlib.util
+
+    missing = [pip for module, pip in REQUIRED_PACKAGES if importlib.util.find_spec(module) is None]
+    if missing:
+        raise UsageError(
+            f"roundpipe train needs {', '.join(missing)}: pip install 'roundpipe[train]'"
+        )
+
+
+def check_single_process() -> None:
+    """Under ``torchrun`` with several processes every rank would train the same model."""
+    world_size = os.environ.get("WORLD_SIZE", "1")
+    if world_size.strip() not in ("", "1"):
+        raise UsageError(
+            f"multi-node training is not supported yet (WORLD_SIZE={world_size}): run one "
+            "process, which drives every GPU of this machine (--devices cuda)"
+        )
+
+
+def prepare(options: TrainOptions) -> Prepared:
+    """Read and check everything the run needs; see the module docstring."""
+    options = replace(
+        options,
+        model=Path(options.model).absolute(),
+        data=Path(options.data).absolute(),
+        output=Path(options.output).absolute(),
+        eval_data=None if options.eval_data is None else Path(options.eval_data).absolute(),
+    )
+    _check_model_files(options.model)
+    max_positions = _max_positions(options.model)
+    options = replace(options, seq_len=_seq_len(options.seq_len, max_positions))
+    tokenizer = _tokenizer(options.model)
+    notes: list[str] = []
+    train_batches = _batches(options, tokenizer, options.data, options.packing, notes)
+    eval_batches = None
+    if options.eval_data is not None:
+        eval_batches = _batches(options, tokenizer, options.eval_data, False, notes)
+    epochs = options.epochs if options.steps is None else None
+    total = options.steps or (epochs or 1) * train_batches.steps_per_epoch
+    resume_from: list[Found] = []
+    earlier = complete_checkpoints(options.output)
+    if earlier and not options.resume:
+        if not options.demo:
+            raise UsageError(
+                f"--output {options.output} holds checkpoints of an earlier run (step "
+                f"{earlier[0][0]}): continue it with --resume, or choose another --output "
+                "(or delete it) to start over"
+            )
+        notes.append("starting the demo over: the checkpoints of the earlier run are removed")
+    if options.resume:
+        resume_from = resumable_checkpoints(options.output, options)
+        done = resume_from[0].position.step
+        if done > total:
+            raise UsageError(
+                f"--resume: {resume_from[0].path} is at step {done}, past the {total} "
+                "steps of this run (raise --steps)"
+            )
+    return Prepared(options, tokenizer, train_batches, eval_batches, total, resume_from, notes)
+
+
+def _check_model_files(model: Path) -> None:
+    if not model.is_dir():
+        raise UsageError(f"--model {model}: no such directory")
+    if not (model / "config.json").is_file():
+        raise UsageError(f"--model {model}: not a Hugging Face model directory (no config.json)")
+    if not any((model / name).is_file() for name in WEIGHT_FILES):
+        raise UsageError(
+            f"--model {model}: no weights ({', '.join(WEIGHT_FILES)}); the directory has "
+            f"{sorted(p.name for p in model.iterdir())}"
+        )
+    if not any((model / name).is_file() for name in TOKENIZER_FILES):
+        raise UsageError(
+            f"--model {model}: no tokenizer (none of {', '.join(TOKENIZER_FILES)}); save it "
+            "beside the model with tokenizer.save_pretrained"
+        )
+
+
+def _max_positions(model: Path) -> int | None:
+    import transformers
+
+    try:
+        config = transformers.AutoConfig.from_pretrained(model)
+    except (OSError, ValueError, KeyError) as error:
+        raise UsageError(f"--model {model}: config.json cannot be read: {error}") from error
+    return getattr(config, "max_position_embeddings", None)
+
+
+def _seq_len(given: int | None, max_positions: int | None) -> int:
+    if given is None:
+        return min(DEFAULT_SEQ_LEN, max_positions or DEFAULT_SEQ_LEN)
+    if max_positions is not None and given > max_positions:
+        raise UsageError(
+            f"--seq-len {given} exceeds the model's maximum of {max_positions} positions"
+        )
+    if given < 2:
+        raise UsageError(f"--seq-len must be at least 2 (a token and its successor), got {given}")
+    return given
+
+
+def _tokenizer(model: Path):
+    import transformers
+
+    try:
+        return transformers.AutoTokenizer.from_pretrained(model)
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise UsageError(f"--model {model}: the tokenizer cannot be loaded: {error}") from error
+
+
+def _batches(options: TrainOptions, tokenizer, path: Path, packing: bool, notes: list[str]):
+    from .batches import Batches
+    from .data import DataError, load_dataset, pad_token_id
+
+    try:
+        dataset = load_dataset(path, tokenizer, options.seq_len)
+    except DataError as error:
+        raise UsageError(str(error)) from error
+    total = len(dataset.examples) + dataset.dropped
+    if dataset.truncated:
+        notes.append(
+            f"{path.name}: {dataset.truncated} of {total} examples truncated to "
+            f"{options.seq_len} tokens"
+        )
+    if dataset.dropped:
+        notes.append(
+            f"{path.name}: {dataset.dropped} of {total} examples dropped (no labelled token "
+            f"within {options.seq_len} tokens)"
+        )
+    pad_id = pad_token_id(tokenizer)
+    return Batches(dataset, options.batch_size, options.seed, packing=packing, pad_id=pad_id)

@@ -1,0 +1,88 @@
+"""The run's record in ``--output``: ``metrics.jsonl`` (one JSON object per step) and
+``loss.png`` (training and evaluation loss against the step)."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+METRICS_FILE = "metrics.jsonl"
+PLOT_FILE = "loss.png"
+
+
+class MetricsLog:
+    """``metrics.jsonl``: appended one line per step, flushed at once, so a reader (or a
+    crash) sees whole lines only."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+
+    def records(self) -> list[dict[str, Any]]:
+        """Every complete line (a torn last line, left by a kill, is skipped)."""
+        if not self.path.exists():
+            return []
+        records = []
+        for line in self.path.read_text().splitlines():
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(record, dict) and isinstance(record.get("step"), int):
+                records.append(record)
+        return records
+
+    def keep_until(self, step: int) -> list[dict[str, Any]]:
+        """Drop the lines after ``step`` (written after the checkpoint a run resumes from)
+        and return the rest; rewritten atomically."""
+        kept = [r for r in self.records() if r["step"] <= step]
+        self._write(kept)
+        return kept
+
+    def start_fresh(self) -> None:
+        self._write([])
+
+    def append(self, record: dict[str, Any]) -> None:
+        with open(self.path, "a") as file:
+            file.write(json.dumps(record) + "\n")
+            file.flush()
+
+    def _write(self, records: Iterable[dict[str, Any]]) -> None:
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in records))
+        os.replace(tmp, self.path)
+
+
+def plot_losses(records: list[dict[str, Any]], path: Path, title: str = "") -> None:
+    """Training loss (and evaluation loss where measured) against the step, as a PNG
+    (matplotlib's Agg backend; written atomically)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib import pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(7, 4), dpi=100)
+    try:
+        steps = [r["step"] for r in records]
+        axes.plot(steps, [r["loss"] for r in records], label="training loss", linewidth=1)
+        evaluated = [r for r in records if r.get("eval_loss") is not None]
+        if evaluated:
+            axes.plot(
+                [r["step"] for r in evaluated],
+                [r["eval_loss"] for r in evaluated],
+                "o-",
+                label="eval loss",
+            )
+        axes.set_xlabel("step")
+        axes.set_ylabel("loss (mean per token)")
+        axes.set_title(title)
+        axes.grid(alpha=0.3)
+        axes.legend()
+        figure.tight_layout()
+        tmp = Path(path).with_name(Path(path).name + ".tmp.png")
+        figure.savefig(tmp)
+        os.replace(tmp, path)
+    finally:
+        plt.close(figure)
