@@ -2,12 +2,16 @@
 
 ``prepare_demo(workdir)`` writes ``workdir/base-model``: a randomly initialised tiny
 ``Qwen3ForCausalLM`` (fp32) with a byte-level BPE tokenizer trained in code on the demo
-chat data and a ChatML chat template, all as ``transformers`` loads them. Both are
-built deterministically from the seed, so two runs write identical files; a complete
-directory from an earlier run (same seed, same data) is reused. The chat data ships in
-``demo_data/`` beside this file (self-written question/answer templates). After
-training, ``sample_generations`` answers a few held-out questions with the untrained
-and the trained model, and ``format_samples`` lays them out for the terminal.
+chat data and a ChatML chat template, all as ``transformers`` loads them. The weights
+are a function of the seed and the tokenizer of the data, so two runs write identical
+files; a complete directory from an earlier run (same seed, data and recipe) is reused.
+The chat data ships in ``demo_data/`` beside this file: ``chat.jsonl`` (training) and
+``chat_eval.jsonl`` (held-out questions on the same facts), written from self-written
+question/answer templates (capitals, colours, opposites, plurals, animal sounds, days,
+months, counting, small talk, a name to remember). ``DEMO_OPTIONS`` are the options of
+``roundpipe train`` for about a minute of training on two CPU cores. After training,
+``sample_generations`` answers a few held-out questions with the untrained and the
+trained model, and ``format_samples`` lays them out for the terminal.
 """
 
 from __future__ import annotations
@@ -36,36 +40,41 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 VOCAB_SIZE = 2048
-MODEL_SIZES = dict(
+MODEL_CONFIG = dict(
     hidden_size=128,
     intermediate_size=384,
-    num_hidden_layers=4,
+    num_hidden_layers=2,
     num_attention_heads=4,
     num_key_value_heads=2,
     head_dim=32,
     max_position_embeddings=256,
+    tie_word_embeddings=False,
 )
 # Questions of the held-out set (chat_eval.jsonl) whose answers follow the training
-# patterns, so the trained model can get them right.
+# patterns: the trained model answers them right (checked with seeds 0-3).
 SAMPLE_PROMPTS = (
     "What is the capital of France?",
+    "What colour is the sky?",
     "What is the opposite of hot?",
-    "What is the plural of dog?",
-    "Count from 4 to 8.",
+    "What does a cow say?",
 )
+# About a minute of training on two CPU cores. Synchronous steps: with one-step-stale
+# (asynchronous) AdamW steps this tiny model, trained from scratch at this learning
+# rate, stays near a loss of 1 and answers wrongly; exact steps cost no time here.
 DEMO_OPTIONS = {
     "full": True,
     "devices": "emulated:2",
     "precision": "fp32",
-    "steps": 120,
-    "batch_size": 16,
+    "sync": True,
+    "steps": 300,
+    "batch_size": 32,
     "seq_len": 128,
-    "microbatches": 4,
-    "lr": 3e-3,
-    "warmup_steps": 10,
+    "microbatches": 2,
+    "lr": 5e-3,
+    "warmup_steps": 30,
     "schedule": "cosine",
-    "eval_every": 40,
-    "save_every": 60,
+    "eval_every": 50,
+    "save_every": 150,
     "seed": 0,
 }
 # Written last into a finished model directory; a directory without it (or with other
@@ -122,7 +131,13 @@ def prepare_demo(workdir: Path, seed: int = 0) -> DemoSetup:
 
 def _marker(seed: int) -> dict:
     digest = hashlib.sha256(TRAIN_DATA.read_bytes()).hexdigest()
-    return {"format": MARKER_FORMAT, "seed": seed, "train_data_sha256": digest}
+    return {
+        "format": MARKER_FORMAT,
+        "seed": seed,
+        "vocab_size": VOCAB_SIZE,
+        "model": MODEL_CONFIG,
+        "train_data_sha256": digest,
+    }
 
 
 def _is_complete(model_dir: Path, marker: dict) -> bool:
@@ -143,7 +158,7 @@ def _check_replaceable(model_dir: Path) -> None:
 
 
 def _write_model_dir(directory: Path, seed: int) -> None:
-    tokenizer = build_tokenizer(chat_texts(TRAIN_DATA), seed)
+    tokenizer = build_tokenizer(chat_texts(TRAIN_DATA))
     model = build_model(tokenizer, seed)
     with _without_progress_bars():
         model.save_pretrained(directory)
@@ -180,17 +195,17 @@ def chat_texts(path: Path) -> Iterator[str]:
                 raise ValueError(f"{path}:{number}: not a chat line ({error})") from error
 
 
-def build_tokenizer(texts: Iterable[str], seed: int = 0):
-    """A byte-level BPE tokenizer with ``VOCAB_SIZE`` entries trained on ``texts``,
-    wrapped as a ``transformers`` fast tokenizer with the ChatML template.
+def build_tokenizer(texts: Iterable[str]):
+    """A byte-level BPE tokenizer trained on ``texts`` (deterministic: no seed), wrapped
+    as a ``transformers`` fast tokenizer with the ChatML template. It has at most
+    ``VOCAB_SIZE`` entries; fewer when the merges run out, and then every word of
+    ``texts`` is one token (words it never saw fall back to bytes).
 
     ``eos_token`` is ``<|im_end|>`` so that generation stops at the end of the
-    assistant's turn; ``<|endoftext|>`` pads. BPE training is deterministic, so the
-    seed is unused; it is a parameter so that every builder of the demo takes one."""
+    assistant's turn; ``<|endoftext|>`` pads."""
     import transformers
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    del seed
     bpe = Tokenizer(models.BPE())
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.decoder = decoders.ByteLevel()
@@ -207,12 +222,12 @@ def build_tokenizer(texts: Iterable[str], seed: int = 0):
         pad_token=PAD_TOKEN,
         additional_special_tokens=[TURN_START],
         chat_template=CHAT_TEMPLATE,
-        model_max_length=MODEL_SIZES["max_position_embeddings"],
+        model_max_length=MODEL_CONFIG["max_position_embeddings"],
     )
 
 
 def build_model(tokenizer, seed: int = 0):
-    """A randomly initialised fp32 ``Qwen3ForCausalLM`` of ``MODEL_SIZES`` for
+    """A randomly initialised fp32 ``Qwen3ForCausalLM`` of ``MODEL_CONFIG`` for
     ``tokenizer``, its weights a function of ``seed`` only (the global RNG is left
     as it was)."""
     import transformers
@@ -220,11 +235,10 @@ def build_model(tokenizer, seed: int = 0):
     end_ids = _stop_token_ids(tokenizer)
     config = transformers.Qwen3Config(
         vocab_size=len(tokenizer),
-        tie_word_embeddings=True,
         bos_token_id=None,
         eos_token_id=end_ids[0],
         pad_token_id=tokenizer.pad_token_id,
-        **MODEL_SIZES,
+        **MODEL_CONFIG,
     )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
