@@ -19,6 +19,9 @@ claims is pinned down directly, at the device API, below the runtime:
 - **Bandwidth.** Copies take at least their modelled time, and all devices share one
   host-memory bus.
 - **Sticky errors** do not leave the copy engine held.
+- **Pageable copies block the host.** Issuing a copy marked ``pageable`` returns only
+  once it has run (CUDA stages pageable memory synchronously); only memory passed
+  through ``pool.pin`` counts as page-locked, and a file mapping never does.
 
 Time is asserted against generous fractions of the modelled durations (the machine
 running the tests may be small and busy); every wait has a timeout so that a broken
@@ -503,3 +506,47 @@ def test_an_op_failing_before_its_copy_releases_the_engine(harness):
     assert device.act_upload.record().wait(TIMEOUT_S)
     with pytest.raises(ValueError, match="before copying"):
         device.weight_upload.record().synchronize()
+
+
+# -- pageable host memory ------------------------------------------------------------
+
+
+def test_issuing_a_pageable_copy_waits_until_it_ran_a_pinned_one_does_not(harness):
+    device = harness.pool(1).devices[0]
+    stream = device.weight_upload
+    ran = []
+    release = harness.block(stream)
+    stream.submit(lambda: ran.append("pinned"), OpInfo("upload", "pinned"))
+    assert ran == []  # returned at once, behind the blocked stream
+    threading.Timer(0.05, release.set).start()
+    stream.submit(lambda: ran.append("pageable"), OpInfo("upload", "pageable", pageable=True))
+    assert ran == ["pinned", "pageable"]  # returned only once the stream reached and ran it
+
+
+def test_only_pinned_memory_counts_as_page_locked(harness):
+    pool = harness.pool(1)
+    device = pool.devices[0]
+    plain, pinned, off = floats(64), floats(64), floats(64)
+    pool.pin(pinned, "auto")
+    pool.pin(off, "off")
+    assert device.is_pinned(pool.pin(pinned, "alloc"))
+    assert not device.is_pinned(plain) and not device.is_pinned(off)
+    mapped = floats(64)
+    mapped.untyped_storage().roundpipe_mapped_file = "model.safetensors"
+    pool.pin(mapped, "auto")
+    assert not device.is_pinned(mapped)  # a file mapping is never locked
+
+
+@pytest.mark.parametrize(("pin_model", "pageable"), [("auto", False), ("off", True)])
+def test_weights_in_pageable_memory_are_uploaded_as_pageable_copies(pin_model, pageable):
+    from torch import nn
+
+    from roundpipe import RoundPipe
+
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+    with RoundPipe(model, devices="emulated:2", pin_model=pin_model) as pipe:
+        pipe.start_timeline()
+        pipe.forward_backward((torch.randn(4, 8),), label=None, loss_fn=lambda y, _: y.sum())
+        spans = pipe.pool.spans()
+    weights = [s.info for s in spans if s.info.label.startswith("weights")]
+    assert weights and all(info.pageable is pageable for info in weights)

@@ -28,6 +28,10 @@ import torch
 
 STREAM_NAMES = ("compute", "weight_upload", "act_upload", "download")
 RANDOM_KINDS = frozenset({"forward", "recompute", "fused"})
+
+MAPPED_FILE_ATTR = "roundpipe_mapped_file"
+"""Set on the storage of a host tensor that is a view of a file mapping (its value is
+the path): such memory is never page-locked (it would lock the whole file in RAM)."""
 """Compute ops that may draw random numbers (dropout): their RNG use must be atomic."""
 
 
@@ -41,6 +45,10 @@ class OpInfo:
     layers: tuple[int, ...] = ()
     job: int = -1  # index of the schedule job the op belongs to (-1: none)
     op: int = -1  # index of the op in its job's program (roundpipe.program; -1: none)
+    pageable: bool = False
+    """A host-to-device copy reading pageable (not page-locked) host memory: CUDA stages
+    it through a pinned buffer of the driver's, so issuing it blocks the host thread
+    until the stream reaches the copy and the data is staged."""
 
 
 @dataclass(frozen=True)
@@ -128,6 +136,10 @@ class Device(abc.ABC):
     @property
     def compute(self) -> Stream:
         return self.streams["compute"]
+
+    def is_pinned(self, tensor: torch.Tensor) -> bool:
+        """Whether copies from host ``tensor`` are asynchronous (page-locked memory)."""
+        return tensor.is_pinned()
 
     @property
     def weight_upload(self) -> Stream:

@@ -28,6 +28,7 @@ from collections.abc import Callable
 import torch
 
 from .base import (
+    MAPPED_FILE_ATTR,
     RANDOM_KINDS,
     STREAM_NAMES,
     Device,
@@ -220,7 +221,7 @@ class CudaDevicePool(DevicePool):
         LoRA model's frozen base weights) stays pageable in every mode: registering it
         would lock the whole file in RAM and a pinned copy would duplicate it; the
         driver stages uploads from pageable memory."""
-        if getattr(tensor.untyped_storage(), "roundpipe_mapped_file", None) is not None:
+        if getattr(tensor.untyped_storage(), MAPPED_FILE_ATTR, None) is not None:
             return tensor
         if mode == "off" or tensor.is_pinned():
             return tensor

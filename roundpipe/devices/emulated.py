@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from .base import (
+    MAPPED_FILE_ATTR,
     RANDOM_KINDS,
     STREAM_NAMES,
     Device,
@@ -198,6 +199,8 @@ class _EmulatedStream(Stream):
 
     def submit(self, fn: Callable[[], None], info: OpInfo) -> None:
         self._put(("run", fn, (info, self.device.pool.tickets.next())))
+        if info.pageable:  # as CUDA does: the host waits until the copy has been staged
+            self.record().wait(None)
 
     def record(self) -> Event:
         event = _EmulatedEvent()
@@ -311,6 +314,9 @@ class EmulatedDevice(Device):
     def keep_alive(self, tensor: torch.Tensor, stream: Stream) -> None:
         self.memory.keep_alive(tensor, stream)
 
+    def is_pinned(self, tensor: torch.Tensor) -> bool:
+        return getattr(tensor.untyped_storage(), "roundpipe_pinned", False)
+
     def is_on_device(self, tensor: torch.Tensor) -> bool:
         return self.memory.is_resident(tensor)
 
@@ -377,7 +383,12 @@ class EmulatedDevicePool(DevicePool):
         return f"EmulatedDevicePool({len(self.devices)})"
 
     def pin(self, tensor: torch.Tensor, mode: str) -> torch.Tensor:
-        return tensor  # no page-locking on the CPU; the mode was validated by the caller
+        # No page-locking on the CPU: the storage is marked, so copies from it are
+        # asynchronous and copies from anything else block the issuing thread, as on CUDA.
+        # (The mode was validated by the caller.)
+        if mode != "off" and getattr(tensor.untyped_storage(), MAPPED_FILE_ATTR, None) is None:
+            tensor.untyped_storage().roundpipe_pinned = True
+        return tensor
 
     def clear_errors(self) -> None:
         for device in self.devices:

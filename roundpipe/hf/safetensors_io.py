@@ -33,10 +33,10 @@ from pathlib import Path
 
 import torch
 
+from ..devices.base import MAPPED_FILE_ATTR
+
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
-MAPPED_FILE_ATTR = "roundpipe_mapped_file"
-"""Set on the storage of a tensor that is a view of a file mapping; its value is the path."""
 
 DTYPES = {
     "F64": torch.float64,

@@ -14,6 +14,10 @@ copies in issue order:
   pending at that moment. An activation upload therefore waits for at most the one
   chunk being copied when it became ready. Without gating every chunk is issued at
   once and a later activation upload waits for all of them.
+
+Weights in pageable memory (``pin_model="off"``, a memory-mapped LoRA base) are copied
+synchronously by CUDA: issuing such a chunk blocks this thread until it is staged
+(``OpInfo.pageable``; the emulator does the same).
 """
 
 from __future__ import annotations
@@ -103,7 +107,10 @@ def upload_stage_weights(
                 copied.wait(None)  # on the host: the chunk before has been copied
             stream.wait(device.act_upload.record())
         nbytes = sum((end - first) * sources[i].element_size() for i, first, end in chunk)
-        info = OpInfo("upload", f"weights {name}", nbytes, job=job.index, op=op.index)
+        pageable = not all(device.is_pinned(sources[i]) for i, _, _ in chunk)
+        info = OpInfo(
+            "upload", f"weights {name}", nbytes, job=job.index, op=op.index, pageable=pageable
+        )
         stream.submit(functools.partial(upload_chunk, chunk), info)
         copied = stream.record()
     return program, StageWeights(Slot((params, on_device)), stream.record())
