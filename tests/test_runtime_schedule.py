@@ -133,3 +133,24 @@ def test_a_backward_stage_recomputes_before_its_incoming_gradient_arrives():
     for m in range(2):
         # microbatch m is recomputed while the fused stage still works on it
         assert recompute[m].start < fused_ops[m].end
+
+
+def test_the_automatic_plan_is_chosen_for_one_round_of_the_calls_microbatches(monkeypatch):
+    """Every job of a call takes all of its microbatches: the partitioner must score
+    plans for that (a call of N + 1 microbatches is one round, not a round of N and
+    one of 1)."""
+    import roundpipe.runtime.planner as planner
+
+    asked = []
+    real = planner.auto_plan
+
+    def recording(costs, devices, microbatches, budgets=None, **kwargs):
+        asked.append((devices, microbatches, kwargs.get("round_size")))
+        return real(costs, devices, microbatches, budgets, **kwargs)
+
+    monkeypatch.setattr(planner, "auto_plan", recording)
+    x, y = batch(10)
+    config = RoundPipeRunConfig(num_microbatch=5)
+    with RoundPipe(mlp(), devices="emulated:4", model_run_config=config) as pipe:
+        pipe.forward_backward((x,), label=y, loss_fn=mse_sum)
+    assert asked and all(entry == (4, 5, 5) for entry in asked)

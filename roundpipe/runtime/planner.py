@@ -39,7 +39,7 @@ class AutoPlanner:
         key = (num_devices, num_microbatches)
         if self._plan is None or self._key != key:
             self._costs, self._key = self.profiler.costs(), key
-            self._plan = auto_plan(self._costs, num_devices, num_microbatches, self.budgets)
+            self._plan = _auto_plan(self._costs, num_devices, num_microbatches, self.budgets)
             self.replans += 1
         return self._plan
 
@@ -56,7 +56,7 @@ class AutoPlanner:
         if not should_replan(self._costs, costs):
             return self._plan
         self._costs = costs
-        candidate = auto_plan(costs, num_devices, num_microbatches, self.budgets)
+        candidate = _auto_plan(costs, num_devices, num_microbatches, self.budgets)
         if candidate != self._plan and self._predict(candidate, costs, key) < (
             1 - MIN_GAIN
         ) * self._predict(self._plan, costs, key):
@@ -69,4 +69,13 @@ class AutoPlanner:
 
     @staticmethod
     def _predict(plan: Plan, costs: LayerCosts, key: tuple[int, int]) -> float:
-        return predict_iteration_time(plan, costs, *key)
+        num_devices, num_microbatches = key
+        return predict_iteration_time(
+            plan, costs, num_devices, num_microbatches, round_size=num_microbatches
+        )
+
+
+def _auto_plan(costs, num_devices: int, num_microbatches: int, budgets) -> Plan:
+    """The partitioner's choice for calls as the runtime runs them: every job of a call
+    takes all of its microbatches, so a call is one round of ``num_microbatches``."""
+    return auto_plan(costs, num_devices, num_microbatches, budgets, round_size=num_microbatches)
