@@ -154,3 +154,42 @@ def test_the_automatic_plan_is_chosen_for_one_round_of_the_calls_microbatches(mo
     with RoundPipe(mlp(), devices="emulated:4", model_run_config=config) as pipe:
         pipe.forward_backward((x,), label=y, loss_fn=mse_sum)
     assert asked and all(entry == (4, 5, 5) for entry in asked)
+
+
+def test_a_replan_runs_off_the_callers_thread_and_takes_effect_at_a_later_call(monkeypatch):
+    import threading
+
+    import roundpipe.runtime.planner as planner
+    from roundpipe.plan import Plan
+    from roundpipe.sim.costs import LayerCosts
+
+    def profile(head: float) -> LayerCosts:
+        return LayerCosts.from_lists([1.0] * 5 + [head], [2.0] * 5 + [2 * head], [0] * 6)
+
+    class Profiler:
+        measured = profile(1.0)
+
+        def costs(self):
+            return self.measured
+
+    first, better = Plan((2, 2), (1, 1)), Plan((2, 3), (1,))
+    release = threading.Event()
+
+    def slow_auto_plan(measured, *args, **kwargs):
+        if measured is Profiler.measured and measured.forward[-1] > 1:
+            assert threading.current_thread().name == "roundpipe-replan"
+            release.wait(10)  # a deep model's re-plan: seconds
+            return better
+        return first
+
+    monkeypatch.setattr(planner, "auto_plan", slow_auto_plan)
+    monkeypatch.setattr(planner, "_predict", lambda plan, *_: 1.0 if plan == better else 2.0)
+    auto = planner.AutoPlanner(Profiler(), None)
+    assert auto.plan(3, 4) == first
+    Profiler.measured = profile(8.0)  # the head turned out heavy
+    assert auto.plan(3, 4) == first  # the re-plan started; this call keeps the plan
+    assert auto.plan(3, 4) == first  # still running: the caller never waits for it
+    release.set()
+    auto._replan.done.wait(10)
+    assert auto.plan(3, 4) == better  # adopted at the next call boundary
+    assert auto.replans == 2

@@ -6,11 +6,17 @@ if the simulator predicts it to be clearly faster under the new measurements, so
 near-ties measured with noise do not make the plan flip back and forth. While the
 plan keeps standing, checks become rarer (every 1, 2, 4, ... calls), so noisy
 measurements of tiny layers do not cost a partitioner run on every call.
+
+A re-plan runs on a daemon thread, off the caller's: calls keep the plan in force
+until it is done, and its choice takes effect at the first call boundary after that.
+Only the very first plan (or the first for a new device or microbatch count) is
+chosen on the caller's thread, since a call needs one.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Sequence
 
 from ..partition import auto_plan, predict_iteration_time, should_replan
 from ..plan import Plan
@@ -33,6 +39,7 @@ class AutoPlanner:
         self._key: tuple[int, int] | None = None
         self._interval = 1
         self._calls_since_check = 0
+        self._replan: _Background | None = None
 
     def current(self, num_devices: int, num_microbatches: int) -> Plan:
         """The plan in force, without counting a call (a first plan is chosen if needed)."""
@@ -44,10 +51,17 @@ class AutoPlanner:
         return self._plan
 
     def plan(self, num_devices: int, num_microbatches: int) -> Plan:
-        """The plan for a call starting now; re-plans when measurements warrant it."""
+        """The plan for a call starting now; starts a re-plan in the background when
+        measurements warrant it, and adopts a finished one's choice."""
         key = (num_devices, num_microbatches)
         if self._plan is None or self._key != key:
+            self._replan = None  # chosen for another pool or microbatch count
             return self.current(*key)
+        if self._replan is not None:
+            if self._replan.done.is_set():
+                self._adopt(self._replan.result)
+                self._replan = None
+            return self._plan
         self._calls_since_check += 1
         if self._calls_since_check < self._interval:
             return self._plan
@@ -56,23 +70,54 @@ class AutoPlanner:
         if not should_replan(self._costs, costs):
             return self._plan
         self._costs = costs
-        candidate = _auto_plan(costs, num_devices, num_microbatches, self.budgets)
-        if candidate != self._plan and self._predict(candidate, costs, key) < (
-            1 - MIN_GAIN
-        ) * self._predict(self._plan, costs, key):
-            self._plan = candidate
+        current, budgets = self._plan, self.budgets
+        self._replan = _Background(lambda: _better_plan(costs, key, current, budgets))
+        return self._plan
+
+    def _adopt(self, better: Plan | None) -> None:
+        if better is not None:
+            self._plan = better
             self.replans += 1
             self._interval = 1
         else:
             self._interval = min(2 * self._interval, MAX_INTERVAL)
-        return self._plan
 
-    @staticmethod
-    def _predict(plan: Plan, costs: LayerCosts, key: tuple[int, int]) -> float:
-        num_devices, num_microbatches = key
-        return predict_iteration_time(
-            plan, costs, num_devices, num_microbatches, round_size=num_microbatches
-        )
+
+class _Background:
+    """``fn()`` on a daemon thread (a re-plan may take seconds on a deep model; it must
+    not hold up the process's exit). A failure leaves ``result`` ``None``: the plan in
+    force was valid when chosen and stays."""
+
+    def __init__(self, fn: Callable[[], Plan | None]) -> None:
+        self.done = threading.Event()
+        self.result: Plan | None = None
+        threading.Thread(target=self._run, args=(fn,), name="roundpipe-replan", daemon=True).start()
+
+    def _run(self, fn: Callable[[], Plan | None]) -> None:
+        try:
+            self.result = fn()
+        except Exception:  # noqa: BLE001 - e.g. no plan fits the new measurements
+            self.result = None
+        finally:
+            self.done.set()
+
+
+def _better_plan(costs: LayerCosts, key: tuple[int, int], current: Plan, budgets) -> Plan | None:
+    """The partitioner's choice under ``costs`` if it is predicted clearly faster than
+    ``current``, else ``None``."""
+    candidate = _auto_plan(costs, *key, budgets)
+    if candidate != current and _predict(candidate, costs, key) < (1 - MIN_GAIN) * _predict(
+        current, costs, key
+    ):
+        return candidate
+    return None
+
+
+def _predict(plan: Plan, costs: LayerCosts, key: tuple[int, int]) -> float:
+    num_devices, num_microbatches = key
+    return predict_iteration_time(
+        plan, costs, num_devices, num_microbatches, round_size=num_microbatches
+    )
 
 
 def _auto_plan(costs, num_devices: int, num_microbatches: int, budgets) -> Plan:
