@@ -25,42 +25,7 @@ from roundpipe.hf.safetensors_io import CheckpointError, FileMappings, read_head
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
-VOCAB = 64
-COMMON = dict(
-    vocab_size=VOCAB,
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=64,
-    attn_implementation="sdpa",
-)
-
-
-def tiny_model(family: str):
-    torch.manual_seed(0)
-    if family == "llama":
-        return transformers.LlamaForCausalLM(transformers.LlamaConfig(**COMMON))
-    if family == "qwen3_tied":
-        config = transformers.Qwen3Config(**COMMON, head_dim=8, tie_word_embeddings=True)
-        return transformers.Qwen3ForCausalLM(config)
-    if family == "qwen3_moe":  # saved one tensor per expert, held stacked
-        config = transformers.Qwen3MoeConfig(
-            **COMMON, head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16
-        )
-        return transformers.Qwen3MoeForCausalLM(config)
-    if family == "gpt_oss":  # keeps its norms in fp32 when loaded in fp16
-        config = transformers.GptOssConfig(
-            **{**COMMON, "attn_implementation": "eager"},
-            head_dim=8,
-            num_local_experts=4,
-            num_experts_per_tok=2,
-            sliding_window=4,
-            layer_types=["sliding_attention", "full_attention"],
-        )
-        return transformers.GptOssForCausalLM(config)
-    raise AssertionError(family)
+from test_hf_from_hf import VOCAB, build  # noqa: E402  (qwen3: tied embeddings)
 
 
 def saved(model, directory: Path, sharded: bool = False) -> Path:
@@ -88,14 +53,14 @@ def all_tensors(model) -> dict[str, torch.Tensor]:
     [
         ("llama", False, torch.float32),
         ("llama", True, torch.bfloat16),
-        ("qwen3_tied", False, torch.bfloat16),
-        ("qwen3_tied", True, torch.float32),
+        ("qwen3", False, torch.bfloat16),
+        ("qwen3", True, torch.float32),
         ("qwen3_moe", True, torch.bfloat16),
         ("gpt_oss", False, torch.float16),
     ],
 )
 def test_the_streamed_model_equals_transformers_from_pretrained(tmp_path, family, sharded, dtype):
-    directory = saved(tiny_model(family), tmp_path, sharded)  # the files hold fp32
+    directory = saved(build(family), tmp_path, sharded)  # the files hold fp32
     if sharded:
         assert (directory / "model.safetensors.index.json").is_file()
     want = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=dtype)
@@ -107,7 +72,7 @@ def test_the_streamed_model_equals_transformers_from_pretrained(tmp_path, family
             assert got_tensors[name].dtype == tensor.dtype, name
             assert torch.equal(got_tensors[name], tensor), name
         tied = got.get_output_embeddings().weight is got.get_input_embeddings().weight
-        assert tied == (family == "qwen3_tied")
+        assert tied == (family == "qwen3")
         assert got.training == want.training
         batch = ids_and_mask()
         with torch.no_grad():
@@ -133,7 +98,7 @@ def checkpoint_bytes(directory: Path) -> dict[str, bytes]:
 
 
 def test_lora_base_weights_are_copy_on_write_views_of_the_checkpoint_files(tmp_path):
-    directory = saved(tiny_model("llama"), tmp_path / "base", sharded=True)
+    directory = saved(build("llama"), tmp_path / "base", sharded=True)
     files = {str(p.resolve()) for p in directory.glob("*.safetensors")}
     before = checkpoint_bytes(directory)
     lora = peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"])
@@ -158,7 +123,7 @@ def test_lora_base_weights_are_copy_on_write_views_of_the_checkpoint_files(tmp_p
 
 
 def test_lora_base_weights_stored_in_another_dtype_are_converted_copies(tmp_path):
-    directory = saved(tiny_model("llama"), tmp_path)  # fp32 files, a bf16 model
+    directory = saved(build("llama"), tmp_path)  # fp32 files, a bf16 model
     lora = peft.LoraConfig(r=4, target_modules=["q_proj"])
     with RoundPipe.from_pretrained(
         directory, torch_dtype=torch.bfloat16, lora=lora, devices="emulated:1"
@@ -172,7 +137,7 @@ def test_lora_base_weights_stored_in_another_dtype_are_converted_copies(tmp_path
 
 
 def test_lora_adapters_train_and_save_an_adapter_peft_reloads(tmp_path):
-    directory = saved(tiny_model("qwen3_tied"), tmp_path / "base")
+    directory = saved(build("qwen3"), tmp_path / "base")
     lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
     batch = {**ids_and_mask(), "labels": ids_and_mask()["input_ids"]}
     with RoundPipe.from_pretrained(
@@ -253,14 +218,14 @@ def _no_safetensors(directory: Path) -> None:
     ],
 )
 def test_a_damaged_checkpoint_is_refused_naming_the_file_and_tensor(tmp_path, damage, message):
-    directory = saved(tiny_model("llama"), tmp_path)
+    directory = saved(build("llama"), tmp_path)
     damage(directory)
     with pytest.raises(CheckpointError, match=message):
         RoundPipe.from_pretrained(directory, devices="emulated:1")
 
 
 def test_a_missing_shard_is_named(tmp_path):
-    directory = saved(tiny_model("llama"), tmp_path, sharded=True)
+    directory = saved(build("llama"), tmp_path, sharded=True)
     shard = sorted(directory.glob("model-*.safetensors"))[1]
     shard.unlink()
     with pytest.raises(CheckpointError, match=f"names the shard {shard.name}, which is missing"):
