@@ -25,7 +25,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-IGNORE_INDEX = -100
+from ..hf.decoder import IGNORE_INDEX  # the label of a token without loss (HF's -100)
 
 Span = tuple[int, int]
 

@@ -48,7 +48,6 @@ from .progress import Progress, StepReport, open_progress
 from .report import METRICS_FILE, PLOT_FILE, MetricsLog, plot_losses
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-IGNORE_INDEX = -100
 
 
 @dataclass(frozen=True)
@@ -137,9 +136,8 @@ def mean_token_loss(pipe, batches) -> float:
     pipe.synchronize()
     total, count = 0.0, 0
     for index in range(batches.steps_per_epoch):
-        batch = batches.batch(index)
-        tokens = int((batch["labels"][:, 1:] != IGNORE_INDEX).sum())
-        total += float(pipe.eval_loss(batch)) * tokens
+        tokens = batches.num_label_tokens(index)
+        total += float(pipe.eval_loss(batches.batch(index))) * tokens
         count += tokens
     return total / count
 
