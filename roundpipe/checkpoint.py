@@ -122,7 +122,7 @@ def load(store, pool, buffers, path, optimizer, lr_scheduler, grad_scaler) -> tu
     """Restore what :func:`save` wrote; returns its ``extra`` and the saved masters. The
     caller has drained the runtime; it adopts the written weights afterwards, then
     :func:`restore_masters` sets the masters to their full-precision values."""
-    path = _existing(Path(path))
+    path = existing_checkpoint(Path(path))
     with open(path / "state.json") as file:
         state = json.load(file)
     names = [entry.name for entry in store.entries.values()]
@@ -227,7 +227,8 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _existing(path: Path) -> Path:
+def existing_checkpoint(path: Path) -> Path:
+    """``path``, or ``path.old`` where a save was killed between its two renames."""
     if (path / "state.json").is_file():
         return path
     old = path.with_name(f"{path.name}.old")

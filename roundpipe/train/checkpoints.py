@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from ..checkpoint import existing_checkpoint
 from .options import SHAPE_KEYS, TrainOptions, UsageError
 
 CHECKPOINTS_DIR = "checkpoints"
@@ -68,12 +69,6 @@ def complete_checkpoints(output: Path) -> list[tuple[int, Path]]:
     return sorted(found.items(), reverse=True)
 
 
-def _state_file(path: Path) -> Path:
-    if (path / "state.json").is_file():
-        return path / "state.json"
-    return path.with_name(path.name + ".old") / "state.json"
-
-
 def resumable_checkpoints(output: Path, options: TrainOptions) -> list[Found]:
     """The checkpoints in ``output`` whose state can be read, newest first, the newest
     checked against ``options``; :class:`UsageError` when there is none or it belongs to
@@ -88,7 +83,8 @@ def resumable_checkpoints(output: Path, options: TrainOptions) -> list[Found]:
     found = []
     for step, path in candidates:
         try:
-            extra = json.loads(_state_file(path).read_text()).get("extra") or {}
+            state = existing_checkpoint(path) / "state.json"
+            extra = json.loads(state.read_text()).get("extra") or {}
             position = Position(**extra["position"])
             saved = extra["options"]
         except (OSError, ValueError, KeyError, TypeError):
