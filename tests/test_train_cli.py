@@ -398,18 +398,23 @@ def broken(files) -> dict[str, Path]:
     no_weights = root / "no-weights"
     no_weights.mkdir()
     shutil.copy(files["model"] / "config.json", no_weights)
+    bin_only = root / "bin-only"  # weights RoundPipe.from_pretrained does not load
+    bin_only.mkdir()
+    shutil.copy(files["model"] / "config.json", bin_only)
+    (bin_only / "pytorch_model.bin").write_bytes(b"")
     bad_data = root / "bad.jsonl"
     bad_data.write_text('{"text": "count from 1 to 4 1 2 3 4"}\n\n{"text": oops}\n')
     unknown_key = root / "unknown.yaml"
     unknown_key.write_text("lora-rank: 8\n")
-    return {"no_tokenizer": no_tokenizer, "no_weights": no_weights, "bad_data": bad_data,
-            "unknown_key": unknown_key}  # fmt: skip
+    return {"no_tokenizer": no_tokenizer, "no_weights": no_weights, "bin_only": bin_only,
+            "bad_data": bad_data, "unknown_key": unknown_key}  # fmt: skip
 
 
 ERRORS = {  # options changed or added to a good command line, and the message expected
     "model directory missing": ({"--model": "{root}/nothing"}, "no such directory"),
     "config.json missing": ({"--model": "{root}"}, "no config.json"),
     "weights missing": ({"--model": "{no_weights}"}, "no weights"),
+    "only .bin weights": ({"--model": "{bin_only}"}, "a .bin checkpoint: convert it"),
     "tokenizer missing": ({"--model": "{no_tokenizer}"}, "no tokenizer"),
     "bad data line": ({"--data": "{bad_data}"}, "bad.jsonl:3: not valid JSON"),
     "seq-len too long": ({"--seq-len": "65"}, "--seq-len 65 exceeds the model's maximum of 64"),

@@ -12,16 +12,12 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from ..hf.safetensors_io import INDEX_FILE, SINGLE_FILE
 from .checkpoints import Found, complete_checkpoints, resumable_checkpoints
 from .options import TrainOptions, UsageError
 
 DEFAULT_SEQ_LEN = 1024
-WEIGHT_FILES = (
-    "model.safetensors",
-    "model.safetensors.index.json",
-    "pytorch_model.bin",
-    "pytorch_model.bin.index.json",
-)
+WEIGHT_FILES = (SINGLE_FILE, INDEX_FILE)  # what RoundPipe.from_pretrained loads
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
 REQUIRED_PACKAGES = (
     ("transformers", "transformers"),
@@ -115,7 +111,8 @@ def _check_model_files(model: Path) -> None:
     if not any((model / name).is_file() for name in WEIGHT_FILES):
         raise UsageError(
             f"--model {model}: no weights ({', '.join(WEIGHT_FILES)}); the directory has "
-            f"{sorted(p.name for p in model.iterdir())}"
+            f"{sorted(p.name for p in model.iterdir())} (a .bin checkpoint: convert it with "
+            "transformers, from_pretrained then save_pretrained)"
         )
     if not any((model / name).is_file() for name in TOKENIZER_FILES):
         raise UsageError(
