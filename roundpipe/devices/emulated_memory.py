@@ -129,9 +129,6 @@ class DeviceMemory:
     def is_resident(self, tensor: torch.Tensor) -> bool:
         return id(_owner(tensor)) in self._blocks
 
-    def is_tracked(self, key: int) -> bool:
-        return key in self._blocks
-
     def _free(self, key: int, block: _Block) -> None:
         """The block's tensor died (on any thread, possibly inside an op)."""
         self._blocks.pop(key, None)
@@ -200,8 +197,8 @@ class ComputeAllocations(TorchDispatchMode):
             if not isinstance(tensor, torch.Tensor):
                 continue
             storage = tensor.untyped_storage()
-            key = id(storage)
-            if key not in inputs and storage.nbytes() and not self.memory.is_tracked(key):
-                inputs.add(key)
-                self.memory.adopt(tensor, self.stream)
+            if id(storage) in inputs or not storage.nbytes() or self.memory.is_resident(tensor):
+                continue
+            inputs.add(id(storage))
+            self.memory.adopt(tensor, self.stream)
         return out
