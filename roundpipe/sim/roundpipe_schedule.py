@@ -25,8 +25,9 @@ holds the next iteration until the step is done.
 
 from __future__ import annotations
 
-import math
+import gc
 from collections.abc import Hashable
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from .. import program as P
@@ -40,8 +41,14 @@ from .costs import CostModel
 from .engine import ACT_H2D, COMPUTE, D2H, H2D, OPTIMIZER, Dep, Op
 from .result import SimResult, bubbles, busy_time, compute_makespan, peak_memory
 
-STEADY_ITERATIONS = 4
-"""Iterations simulated to measure the steady state (the first ones are warm-up)."""
+WARMUP_ITERATIONS = 3
+MEASURED_ITERATIONS = 4
+"""The steady state is the mean of the iterations after the warm-up ones. The cost
+model treats devices alike, so a cursor that moved on only relabels the devices and
+iterations soon repeat, alone or in short cycles (two and four iterations are seen);
+a test checks the estimate against long runs. A host optimizer slower than the
+devices makes a backlog that grows for many iterations before it binds, so the
+asynchronous steady state is at least the optimizer's time per step."""
 
 
 def round_sizes(num_microbatches: int, round_size: int) -> list[int]:
@@ -81,8 +88,9 @@ def simulate_roundpipe(
     plan.validate(costs.layers.num_layers)
     config = _Config(plan, costs, num_devices, round_size or num_devices, is_async)
     single = _Simulation(config)
-    single.add_iterations(num_microbatches, 1, first_device)
-    timings = engine.run(single.ops)
+    with _gc_paused():
+        single.add_iterations(num_microbatches, 1, first_device)
+        timings = engine.run(single.ops)
     spans = [s for s in engine.spans(single.ops, timings) if s.kind not in _BOOKKEEPING]
     makespan = compute_makespan(spans)
     iteration_time = steady_iteration_time(
@@ -120,16 +128,26 @@ def steady_iteration_time(
 ) -> float:
     """Seconds per iteration once iterations follow each other (the partitioner's objective)."""
     round_size = round_size or num_devices
-    config = _Config(plan, costs, num_devices, round_size, is_async)
+    config = _Config(plan, costs, num_devices, round_size, is_async, record=False)
     sim = _Simulation(config)
-    # Iteration times cycle with the round-robin cursor, so average over one whole
-    # cursor period after the warm-up iterations.
-    rounds = math.ceil(num_microbatches / round_size)
-    advance = rounds * (len(plan.forward) + len(plan.backward)) % num_devices
-    period = num_devices // math.gcd(advance, num_devices)
-    warm = STEADY_ITERATIONS // 2
-    ends = sim.iteration_ends(num_microbatches, warm + period)
-    return (ends[-1] - ends[warm - 1]) / period
+    warm, measured = WARMUP_ITERATIONS, MEASURED_ITERATIONS
+    with _gc_paused():
+        ends = sim.iteration_ends(num_microbatches, warm + measured)
+    mean = (ends[-1] - ends[warm - 1]) / measured
+    return max(mean, costs.optimizer_time) if is_async else mean
+
+
+@contextmanager
+def _gc_paused():
+    """A simulation allocates many small tuples that all stay alive until it ends, so
+    the cyclic collector would only rescan them (it took half the time)."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 @dataclass(frozen=True)
@@ -139,6 +157,25 @@ class _Config:
     num_devices: int
     round_size: int
     is_async: bool
+    record: bool = True
+    """Label ops and record memory (for timelines); scoring needs neither."""
+
+
+class _Template:
+    """A job program with each op's duration and its waits on earlier ops of the job
+    (op index, whether the wait is on a transfer)."""
+
+    __slots__ = ("program", "durations", "deps")
+
+    def __init__(self, program: JobProgram, durations: list[float]) -> None:
+        self.program = program
+        self.durations = durations
+        ops = program.ops
+        self.deps = [
+            tuple((i, ops[i].stream != P.COMPUTE) for i in op.inputs)
+            + (((op.host_wait, False),) if op.host_wait is not None else ())
+            for op in ops
+        ]
 
 
 @dataclass
@@ -150,7 +187,8 @@ class _Simulation:
     _memory: list[tuple[int, Hashable, Hashable, int]] = field(default_factory=list)
     _done_keys: dict[int, list[Hashable]] = field(default_factory=dict)
     _optimizer_ops: dict[int, list[tuple[range, Hashable]]] = field(default_factory=dict)
-    _compute_keys: dict[int, list[Hashable]] = field(default_factory=dict)
+    _compute_ops: dict[int, list[int]] = field(default_factory=dict)
+    _templates: dict[tuple, _Template] = field(default_factory=dict)
     _loss_key: Hashable | None = None
     _rounds: int = 0
 
@@ -165,8 +203,12 @@ class _Simulation:
 
     def iteration_ends(self, num_microbatches: int, iterations: int) -> list[float]:
         self.add_iterations(num_microbatches, iterations, 0)
-        timings = engine.run(self.ops)
-        return [max(timings[key].end for key in self._compute_keys[it]) for it in range(iterations)]
+        start = engine.replay(self.ops).start
+        ops = self.ops
+        return [
+            max(start[i] + ops[i].duration for i in self._compute_ops[it])
+            for it in range(iterations)
+        ]
 
     def exposed_comm(self, timings: dict[Hashable, engine.Timing]) -> float:
         return sum(timings[op.key].exposed_transfer for op in self.ops if op.stream == COMPUTE)
@@ -187,10 +229,21 @@ class _Simulation:
         shape = CallShape(size, "stage", saved, preserve_rng_state=False, return_outputs=False)
         producers: dict[HandoffKey, Hashable] = {}
         for job in schedule.jobs:
+            template = self._template(job, shape)
+            self._add_program(template, job, round_id, iteration, gate, producers, last)
+        self._loss_key = producers[Loss(size - 1)]
+
+    def _template(self, job: Job, shape: CallShape) -> _Template:
+        """The job's program with durations, built once per stage and round shape (a
+        program does not depend on the device or the job's place in the round)."""
+        cache_key = (job.kind, job.layers, shape)
+        template = self._templates.get(cache_key)
+        if template is None:
             chunks = self._chunks(job)
             program = job_program(job, shape, len(chunks), has_buffers=False, writes_back=False)
-            self._add_program(program, chunks, round_id, iteration, gate, producers, last)
-        self._loss_key = producers[Loss(size - 1)]
+            template = _Template(program, [self._duration(op, job, chunks) for op in program.ops])
+            self._templates[cache_key] = template
+        return template
 
     def _chunks(self, job: Job) -> list[int]:
         """Bytes of each weight chunk of ``job`` (at least one chunk, maybe empty)."""
@@ -207,53 +260,58 @@ class _Simulation:
 
     def _add_program(
         self,
-        program: JobProgram,
-        chunks: list[int],
+        template: _Template,
+        job: Job,
         round_id: int,
         iteration: int,
         gate: tuple[Dep, ...],
         producers: dict[HandoffKey, Hashable],
         last: bool,
     ) -> None:
-        job, ops = program.job, program.ops
+        ops = template.program.ops
         keys = [(round_id, job.index, op.index) for op in ops]
-        for op in ops:
-            deps = [Dep(keys[i], transfer=ops[i].stream != P.COMPUTE) for i in op.inputs]
-            if op.host_wait is not None:
-                deps.append(Dep(keys[op.host_wait]))
-            if op.key is not None and op.key in producers:
-                deps.append(Dep(producers[op.key]))
-            if op.kind == P.UPLOAD_WEIGHTS and op.chunk == 0:
+        device, record = job.device, self.config.record
+        copy_engine = ("h2d", device)
+        compute_ops = self._compute_ops.setdefault(iteration, [])
+        for op, duration, local in zip(ops, template.durations, template.deps, strict=True):
+            deps = [Dep(keys[i], 0.0, transfer) for i, transfer in local]
+            if op.key is not None:
+                producer = producers.get(op.key)
+                if producer is not None:
+                    deps.append(Dep(producer))
+            if op.chunk == 0:
                 deps += self._weight_deps(job, iteration)
             if not op.inputs:
                 deps += gate
-            kind, label = self._name(op, job, round_id)
+            kind, label = self._name(op, job, round_id) if record else (op.kind, "")
             # weights and activations share the device's host-to-device copy engine;
             # activations go first when both wait (the runtime gates weight chunks)
-            engine_ = ("h2d", job.device) if op.stream in _H2D_STREAMS else None
+            uploads = op.stream in _H2D_STREAMS
+            key = keys[op.index]
             self.ops.append(
                 Op(
-                    keys[op.index],
-                    job.device,
+                    key,
+                    device,
                     _STREAMS[op.stream],
                     kind,
                     label,
-                    self._duration(op, job, chunks),
+                    duration,
                     tuple(deps),
-                    resource=engine_,
-                    priority=int(op.stream == P.WEIGHT_UPLOAD),
+                    copy_engine if uploads else None,
+                    int(op.stream == P.WEIGHT_UPLOAD),
                 )
             )
             if op.kind == P.DOWNLOAD_VALUE:
-                producers[op.key] = keys[op.index]
-            for key in op.posts:
-                producers[key] = keys[op.index]
+                producers[op.key] = key
+            for handoff in op.posts:
+                producers[handoff] = key
             if op.kind in P.COMPUTES:
-                self._compute_keys.setdefault(iteration, []).append(keys[op.index])
-            if op.kind == P.DOWNLOAD_GRADS and last:
-                self._add_optimizer(job, iteration, keys[op.index])
-        self._add_memory(program, keys)
-        self._done_keys.setdefault(job.device, []).append(keys[-1])
+                compute_ops.append(len(self.ops) - 1)
+            elif op.kind == P.DOWNLOAD_GRADS and last:
+                self._add_optimizer(job, iteration, key)
+        if record:
+            self._add_memory(template.program, job, keys)
+        self._done_keys.setdefault(device, []).append(keys[-1])
 
     def _weight_deps(self, job: Job, iteration: int) -> list[Dep]:
         """A stage's weights are allocated once the job two back on the device finished,
@@ -288,10 +346,10 @@ class _Simulation:
         }.get(op.kind)
         return compute(op.layers) if compute is not None else 0.0
 
-    def _add_memory(self, program: JobProgram, keys: list[Hashable]) -> None:
+    def _add_memory(self, program: JobProgram, job: Job, keys: list[Hashable]) -> None:
         """Weights from their upload to the release; gradients from the first backward
         compute to their download; each compute op's working activations."""
-        job, layers = program.job, self.config.costs.layers
+        layers = self.config.costs.layers
         weights = layers.stage_param_bytes(job.layers)
         self._memory.append((job.device, keys[0], keys[-1], weights))
         computes = [op for op in program.ops if op.kind in P.COMPUTES]
