@@ -7,23 +7,28 @@ Two modes of ``simulate``:
   --comm-ms C`` describe L identical transformer layers plus an LM head, and every
   chosen schedule is simulated for ``--gpus N`` and ``--microbatches M``;
 - model-level: ``--model Qwen3-8B`` (or ``--config config.json``) with ``--gpu
-  rtx4090 --seq-len 4096 --batch 16`` predicts tokens/s, per-GPU memory and host RAM.
+  rtx4090 --seq-len 4096 --batch 16`` predicts tokens/s, per-GPU memory and host RAM,
+  and whether each fits (``--lora R``, ``--precision``, ``--pcie``, ``--host-ram``,
+  ``--host-bandwidth``); ``--max-seq-len`` answers only the longest sequence that fits.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 
+from .gpus import GPU_PRESETS, PCIE_BANDWIDTH, PRECISIONS, gpu_preset
+from .model_specs import MODEL_PRESETS, ModelSpec, model_preset
 from .partition import auto_plan
 from .plan import Plan, PlanError
-from .predict import MODEL_PRESETS, ModelSpec, Prediction, Workload, model_preset, predict
+from .predict import DEFAULT_HOST_BANDWIDTH, Prediction, Workload, max_seq_len, predict
 from .sim.baselines import BASELINES, simulate_baseline
-from .sim.costs import HARDWARE_PRESETS, CostModel, LayerCosts, hardware
+from .sim.costs import CostModel, LayerCosts
 from .sim.result import SimResult
 from .sim.roundpipe_schedule import simulate_roundpipe
 from .train.command import add_train_parser
@@ -72,21 +77,42 @@ def _parser() -> argparse.ArgumentParser:
     sim.add_argument("--gantt", type=Path, help="Gantt chart PNG (per schedule if several)")
     sim.add_argument("--no-recompute", action="store_true", help="baselines stash activations")
     sim.add_argument("--chunks", type=int, default=2, help="virtual stages per GPU (interleaved)")
-    model = sim.add_argument_group("model-level mode (predict tokens/s and memory)")
+    model = sim.add_argument_group(
+        "model-level mode (will it fit, how fast, against what)",
+        "Calibrated against the published RoundPipe measurements (bench/README.md).",
+    )
     model.add_argument(
         "--model", help=f"preset: {', '.join(s.name for s in MODEL_PRESETS.values())}"
     )
-    model.add_argument("--config", type=Path, help="a Hugging Face config.json")
-    model.add_argument("--gpu", default="rtx4090", help=f"preset: {', '.join(HARDWARE_PRESETS)}")
+    model.add_argument("--config", type=Path, help="a Hugging Face config.json (dense or MoE)")
+    model.add_argument("--gpu", default="rtx4090", help=f"preset: {', '.join(GPU_PRESETS)}")
+    model.add_argument("--precision", choices=PRECISIONS, default="bf16")
+    model.add_argument("--pcie", type=int, choices=sorted(PCIE_BANDWIDTH), help="PCIe generation")
+    model.add_argument(
+        "--host-bandwidth",
+        type=float,
+        default=DEFAULT_HOST_BANDWIDTH / 1e9,
+        help="host memory GB/s shared by all copies and the CPU optimizer",
+    )
+    model.add_argument("--host-ram", type=float, help="host RAM in GB (default: this machine's)")
     model.add_argument("--seq-len", type=int, default=4096)
     model.add_argument("--batch", type=int, default=16, help="sequences per iteration")
-    model.add_argument("--mfu", type=float, default=0.6, help="fraction of peak FLOP/s reached")
+    model.add_argument("--lora", type=int, metavar="R", help="train rank-R LoRA adapters only")
+    model.add_argument(
+        "--mfu", type=float, help="override the calibrated matmul efficiency, in (0, 1]"
+    )
+    model.add_argument(
+        "--max-seq-len",
+        action="store_true",
+        help="only the longest sequence that fits at batch 1 (layer recompute)",
+    )
     sim.set_defaults(run=_simulate)
     add_train_parser(commands)
     return parser
 
 
 def _simulate(args: argparse.Namespace) -> int:
+    _validate(args)
     if args.model or args.config:
         return _predict(args)
     names = SCHEDULES if args.schedule == "all" else (args.schedule,)
@@ -157,21 +183,81 @@ def _cli_partition(plan: Plan) -> str:
 
 def _predict(args: argparse.Namespace) -> int:
     if args.config:
-        spec = ModelSpec.from_config(json.loads(args.config.read_text()), args.config.stem)
+        spec = ModelSpec.from_config(_read_config(args.config), args.config.stem)
     else:
         spec = model_preset(args.model)
     names = SCHEDULES if args.schedule == "all" else (args.schedule,)
-    work = Workload(seq_len=args.seq_len, batch=args.batch, mfu=args.mfu)
-    gpu = hardware(args.gpu)
-    predictions = predict(spec, gpu, work, args.gpus, schedules=names)
+    work = Workload(
+        seq_len=args.seq_len,
+        batch=args.batch,
+        mfu=args.mfu,
+        precision=args.precision,
+        lora_rank=args.lora or 0,
+        host_bandwidth=args.host_bandwidth * 1e9,
+        pcie=args.pcie,
+        round_size=args.round_size,
+    )
+    gpu = gpu_preset(args.gpu)
+    if args.max_seq_len:
+        longest = max_seq_len(spec, gpu, work)
+        if args.json:
+            print(json.dumps({"model": spec.name, "gpu": gpu.name, "max_seq_len": longest}))
+        else:
+            print(f"{spec.name} on {gpu.name}: up to {longest} tokens at batch 1")
+        return 0
+    host_ram = int(args.host_ram * 1e9) if args.host_ram else _machine_ram()
+    predictions = predict(spec, gpu, work, args.gpus, schedules=names, host_ram=host_ram)
     if not args.json:
+        active = f", {spec.active_params / 1e9:.2f}B active" if spec.is_moe else ""
+        lora = f", LoRA rank {args.lora}" if args.lora else ""
         print(
-            f"{spec.name} ({spec.num_params / 1e9:.2f}B params) on {args.gpus}x {gpu.name}, "
-            f"seq {args.seq_len}, batch {args.batch}, mfu {args.mfu}"
+            f"{spec.name} ({spec.num_params / 1e9:.2f}B params{active}{lora}) on {args.gpus}x "
+            f"{gpu.name} ({args.precision}), seq {args.seq_len}, batch {args.batch}"
         )
     for prediction in predictions:
         _print_prediction(prediction, args.json)
     return 0
+
+
+def _read_config(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except OSError as error:
+        raise ValueError(f"cannot read the model config {path}: {error.strerror}") from None
+    except json.JSONDecodeError as error:
+        raise ValueError(f"the model config {path} is not JSON: {error}") from None
+
+
+def _machine_ram() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def _validate(args: argparse.Namespace) -> None:
+    """Exit 2 with a message on values no simulation can use."""
+    positive = {
+        "--gpus": args.gpus,
+        "--microbatches": args.microbatches,
+        "--layers": args.layers,
+        "--round-size": args.round_size,
+        "--chunks": args.chunks,
+        "--seq-len": args.seq_len,
+        "--batch": args.batch,
+        "--lora": args.lora,
+        "--host-ram": args.host_ram,
+        "--host-bandwidth": args.host_bandwidth,
+    }
+    for flag, value in positive.items():
+        if value is not None and value <= 0:
+            raise ValueError(f"{flag} must be positive, got {value}")
+    if args.mfu is not None and not 0 < args.mfu <= 1:
+        raise ValueError(f"--mfu is a fraction of peak FLOP/s in (0, 1], got {args.mfu}")
+    if args.model and args.config:
+        raise ValueError("give --model or --config, not both")
+    if args.gantt:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise ValueError("--gantt needs matplotlib: pip install 'roundpipe[plot]'") from None
 
 
 def _print_result(result: SimResult, as_json: bool) -> None:
@@ -194,11 +280,23 @@ def _print_prediction(p: Prediction, as_json: bool) -> None:
     if as_json:
         print(json.dumps(p.to_dict()))
         return
-    host = "-" if p.host_ram is None else f"{p.host_ram / 2**30:.1f} GiB"
-    print(
-        f"{p.schedule:17s} {p.tokens_per_s:10.0f} tokens/s  GPU {p.gpu_memory / 2**30:6.1f} GiB "
-        f"{'fits' if p.fits else 'DOES NOT FIT'}  host RAM {host}  [{p.detail}]"
+    gpu = _fit_text(p.fits, p.gpu_memory, p.gpu_budget)
+    host = (
+        ""
+        if p.host_ram is None
+        else f"  host RAM {_fit_text(p.host_ram_fits, p.host_ram, p.host_ram_budget)}"
     )
+    longest = "" if p.max_seq_len is None else f"  max seq {p.max_seq_len}"
+    print(
+        f"{p.schedule:17s} {p.tokens_per_s:10.0f} tokens/s  GPU {gpu}{host}{longest}  [{p.detail}]"
+    )
+
+
+def _fit_text(fits: bool | None, need: int, budget: int | None) -> str:
+    if budget is None:
+        return f"needs {need / 1e9:.1f} GB"
+    verdict = "fits" if fits else "does not fit"
+    return f"{verdict}: needs {need / 1e9:.1f} GB of {budget / 1e9:.1f} GB"
 
 
 def _print_skip(name: str, reason: str, as_json: bool) -> None:

@@ -1,116 +1,83 @@
-"""Model-level prediction: "will it fit on my box, and how fast?".
+"""Model-level prediction: "will it fit on my box, how fast, and against what?".
 
-From a Hugging Face decoder config (a dict, a ``transformers`` config object, or a
-named preset below; no hub downloads) plus a GPU preset, sequence length and batch,
-derive per-layer FLOPs, times, bytes and activation sizes, then simulate RoundPipe
-(with the automatic plan) and the weight-bound baselines to predict tokens/s,
-per-GPU memory and the host RAM RoundPipe needs.
+From a model's shapes (:mod:`.model_specs`), a GPU (:mod:`.gpus`) and a workload,
+price every pipeline unit (:mod:`.unit_costs`), simulate RoundPipe with the automatic
+plan and the weight-bound baselines, and answer: tokens/s, per-GPU memory, host RAM,
+whether each fits, and the longest sequence that fits.
 
-Assumptions, kept simple and stated: fp16/bf16 weights and activations; a layer's
-forward costs ``2 x params`` FLOPs per token plus causal attention, backward twice
-that; kernels reach ``mfu`` of the GPU's dense tensor FLOP/s; every stage-boundary
-activation goes device -> host -> device over PCIe (consumer GPUs have no usable
-peer links); the host Adam step streams ~28 bytes per parameter through host
-memory. Baselines keep weights, gradients and fp32 Adam state on their GPUs
-(Megatron-PP style).
+Assumptions, stated:
+
+- An iteration of ``batch`` sequences is rounds (``forward_backward`` calls) of
+  ``R = ROUND_PER_GPU x N`` microbatches (N GPUs, ``microbatch_size`` sequences each;
+  ``round_size`` overrides R). Simulating hundreds of microbatches is slow, so one
+  round is simulated as an iteration, with the host optimizer's step scaled by the
+  round's share of the batch; rounds follow each other the same way inside and across
+  iterations (the optimizer is asynchronous), so tokens/s is the round's tokens over
+  the steady simulated round. The plan is the automatic one without refinement
+  (``refine=False``: seconds instead of minutes on big models). Baselines flush their
+  pipeline after those microbatches.
+- Every GPU copies over its own PCIe link (the simulator's link bandwidth), and all
+  copies and the CPU's work share the host memory: per round the host reads each
+  weight once per forward and once per backward pass, takes every gradient download
+  and adds it into the fp32 gradient (``GRAD_ACCUMULATE_BYTES``), carries the
+  activation hops (about two stages per GPU) and streams its share of the Adam step
+  (``ADAM_BYTES``). A round takes at least those bytes over ``host_bandwidth``; when
+  that is longer than the simulated round, the prediction says "host-memory bound".
+- Host RAM of RoundPipe: ``HOST_BYTES_TRAINABLE`` per trained parameter (two half
+  copies, the weights' two versions, fp32 master, fp32 gradient, Adam m and v), a
+  half copy of each frozen one, the saved stage inputs of a round. Baselines keep
+  weights, gradients and fp32 Adam state on their GPUs (Megatron-PP style).
+- ``--lora R``: the base is frozen (no masters, Adam state, base gradients or their
+  downloads); the adapters (:mod:`.model_specs`) train.
+- A GPU's usable memory is ``MEMORY_HEADROOM`` of it (CUDA context, allocator), the
+  host's ``MEMORY_HEADROOM`` of its RAM (the OS, the data loader).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
 
+from .gpus import PCIE_BANDWIDTH, Gpu
+from .model_specs import MODEL_PRESETS, ModelSpec, model_preset
 from .partition import auto_plan
 from .sim.baselines import BASELINES, simulate_baseline
-from .sim.costs import CostModel, Hardware, LayerCosts
-from .sim.result import SimResult
-from .sim.roundpipe_schedule import simulate_roundpipe
+from .sim.costs import CostModel, LayerCosts
+from .sim.roundpipe_schedule import steady_iteration_time
+from .unit_costs import HALF, Kernels, UnitCost, embedding_cost, head_cost, layer_cost
 
-BYTES_PER_VALUE = 2  # fp16/bf16
-ADAM_HOST_BYTES_PER_PARAM = 28  # read grad+master+m+v, write master+m+v+half weights
-HOST_STATE_BYTES_PER_PARAM = 16  # half weights + half grads + fp32 master, m, v
+__all__ = ["MODEL_PRESETS", "ModelSpec", "Prediction", "Workload", "model_preset", "predict"]
+
+ROUND_PER_GPU = 4
+"""Default round (one ``forward_backward`` call): this many microbatches per GPU."""
+ADAM_BYTES = 34  # read grad, master, m, v; write master, m, v, half weights; zero grad
+GRAD_ACCUMULATE_BYTES = 10  # read the half gradient and the fp32 sum, write the sum
+HOST_BYTES_TRAINABLE = 20
 DEVICE_OPTIMIZER_RATIO = 6.0  # fp32 master + m + v (12 B) per half-precision weight (2 B)
-MEMORY_HEADROOM = 0.9  # the CUDA context and the allocator's fragmentation take the rest
-
-
-@dataclass(frozen=True)
-class ModelSpec:
-    """The shape numbers of a decoder-only transformer."""
-
-    name: str
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    vocab_size: int
-
-    @classmethod
-    def from_config(cls, config: Mapping | object, name: str = "custom") -> ModelSpec:
-        """Read a Hugging Face config (dict or ``PretrainedConfig``)."""
-        values = config.to_dict() if hasattr(config, "to_dict") else dict(config)  # type: ignore[arg-type]
-        try:
-            hidden, heads = values["hidden_size"], values["num_attention_heads"]
-            return cls(
-                name=values.get("name_or_path") or values.get("_name_or_path") or name,
-                hidden_size=hidden,
-                intermediate_size=values["intermediate_size"],
-                num_layers=values["num_hidden_layers"],
-                num_heads=heads,
-                num_kv_heads=values.get("num_key_value_heads") or heads,
-                head_dim=values.get("head_dim") or hidden // heads,
-                vocab_size=values["vocab_size"],
-            )
-        except KeyError as missing:
-            raise ValueError(f"the model config has no {missing} entry") from None
-
-    @property
-    def layer_params(self) -> int:
-        h, d = self.hidden_size, self.head_dim
-        attention = h * d * (2 * self.num_heads + 2 * self.num_kv_heads)  # q, o and k, v
-        return attention + 3 * h * self.intermediate_size + 2 * h
-
-    @property
-    def embedding_params(self) -> int:
-        return self.vocab_size * self.hidden_size
-
-    @property
-    def num_params(self) -> int:
-        # Embedding and LM head counted separately (as the pipeline holds them).
-        return self.num_layers * self.layer_params + 2 * self.embedding_params + self.hidden_size
-
-
-MODEL_PRESETS: dict[str, ModelSpec] = {
-    spec.name.lower(): spec
-    for spec in (
-        ModelSpec("Qwen3-1.7B", 2048, 6144, 28, 16, 8, 128, 151936),
-        ModelSpec("Qwen3-8B", 4096, 12288, 36, 32, 8, 128, 151936),
-        ModelSpec("Llama-3.1-8B", 4096, 14336, 32, 32, 8, 128, 128256),
-        ModelSpec("Qwen3-32B", 5120, 25600, 64, 64, 8, 128, 151936),
-    )
-}
-
-
-def model_preset(name: str) -> ModelSpec:
-    try:
-        return MODEL_PRESETS[name.lower()]
-    except KeyError:
-        known = ", ".join(s.name for s in MODEL_PRESETS.values())
-        raise ValueError(f"unknown model preset {name!r}; known presets: {known}") from None
+MEMORY_HEADROOM = 0.9
+DEFAULT_HOST_BANDWIDTH = 200e9
+"""Host memory bytes/s for copies and the optimizer (a two-socket server's DDR4)."""
 
 
 @dataclass(frozen=True)
 class Workload:
-    """What one iteration trains on, and how fast the kernels run."""
+    """What one iteration trains on, and on which settings."""
 
     seq_len: int
     batch: int
     """Sequences per iteration."""
     microbatch_size: int = 1
-    mfu: float = 0.6
-    host_bandwidth: float = 100e9
-    """Host memory bandwidth the optimizer streams at (bytes/s)."""
+    mfu: float | None = None
+    """Matmul efficiency override (fraction of the dense tensor peak)."""
+    precision: str = "bf16"
+    lora_rank: int = 0
+    host_bandwidth: float = DEFAULT_HOST_BANDWIDTH
+    pcie: int | None = None
+    """PCIe generation (default: the GPU's)."""
+    round_size: int | None = None
+    """Microbatches per round (default ``ROUND_PER_GPU`` per GPU, at most the batch)."""
+
+    def round_microbatches(self, num_gpus: int) -> int:
+        return min(self.num_microbatches, self.round_size or ROUND_PER_GPU * num_gpus)
 
     @property
     def num_microbatches(self) -> int:
@@ -126,86 +93,209 @@ class Prediction:
     schedule: str
     tokens_per_s: float
     iteration_time: float
+    """Seconds per iteration of the whole batch."""
     gpu_memory: int
     """Peak bytes on the fullest GPU."""
+    gpu_budget: int
     fits: bool
     host_ram: int | None
+    host_ram_budget: int | None
+    host_ram_fits: bool | None
     detail: str
+    max_seq_len: int | None = None
 
     def to_dict(self) -> dict:
         return dict(self.__dict__)
 
 
-def cost_model(spec: ModelSpec, gpu: Hardware, work: Workload) -> CostModel:
-    """Per-microbatch costs of the units ``[embedding, layer 0 .. layer L-1, head+loss]``."""
-    tokens, h = work.tokens_per_microbatch, spec.hidden_size
-    speed = gpu.flops * work.mfu
-    attention = 2 * tokens * work.seq_len * spec.num_heads * spec.head_dim  # causal: half of 4
-    layer_fwd = (2 * tokens * spec.layer_params + attention) / speed
-    head_fwd = 2 * tokens * spec.embedding_params / speed
-    layer_act = tokens * BYTES_PER_VALUE * (10 * h + 3 * spec.intermediate_size)
-    head_act = tokens * spec.vocab_size * (BYTES_PER_VALUE + 4)  # logits, fp32 for the loss
-    embed_bytes = spec.embedding_params * BYTES_PER_VALUE
-    n = spec.num_layers
-    layers = LayerCosts(
-        forward=(0.0, *[layer_fwd] * n, head_fwd),
-        backward=(0.0, *[2 * layer_fwd] * n, 2 * head_fwd),
-        param_bytes=(embed_bytes, *[spec.layer_params * BYTES_PER_VALUE] * n, embed_bytes),
-        activation_bytes=(tokens * h * BYTES_PER_VALUE, *[layer_act] * n, head_act),
-        boundary_bytes=tokens * h * BYTES_PER_VALUE,
-    )
-    boundary = tokens * h * BYTES_PER_VALUE
-    return CostModel(
-        layers=layers,
-        comm=boundary / gpu.d2h_bandwidth + boundary / gpu.h2d_bandwidth,
-        h2d_bandwidth=gpu.h2d_bandwidth,
-        d2h_bandwidth=gpu.d2h_bandwidth,
-        optimizer_time=spec.num_params * ADAM_HOST_BYTES_PER_PARAM / work.host_bandwidth,
-        device_optimizer_ratio=DEVICE_OPTIMIZER_RATIO,
-    )
+@dataclass(frozen=True)
+class _Model:
+    """The per-unit costs of one model, GPU and workload, and their totals."""
+
+    spec: ModelSpec
+    units: list[UnitCost]
+    trainable: int
+    frozen: int
+
+    @classmethod
+    def build(cls, spec: ModelSpec, gpu: Gpu, work: Workload, tokens: int) -> _Model:
+        rank = work.lora_rank
+        kernels = Kernels(gpu, work.precision, work.mfu)
+        full, window = layer_cost(spec, kernels, tokens, work.seq_len, None, rank), None
+        if spec.window_layers:
+            window = layer_cost(spec, kernels, tokens, work.seq_len, spec.sliding_window, rank)
+        # gpt-oss alternates sliding and full layers; others have all or none windowed
+        every = spec.num_layers // max(spec.window_layers, 1)
+        layers = [
+            window if window is not None and i % every == 0 else full
+            for i in range(spec.num_layers)
+        ]
+        units = [
+            embedding_cost(spec, kernels, tokens, rank > 0),
+            *layers,
+            head_cost(spec, kernels, tokens, rank > 0),
+        ]
+        trainable = spec.lora_params(rank) if rank else spec.num_params
+        frozen = spec.num_params if rank else 0
+        return cls(spec, units, trainable, frozen)
+
+    @property
+    def upload_bytes(self) -> int:
+        return sum(u.param_bytes for u in self.units)
 
 
 def predict(
     spec: ModelSpec,
-    gpu: Hardware,
+    gpu: Gpu,
     work: Workload,
     num_gpus: int,
     schedules: tuple[str, ...] = ("roundpipe", *BASELINES),
+    host_ram: int | None = None,
 ) -> list[Prediction]:
-    """Tokens/s and memory of each schedule for this model, box and workload."""
-    costs = cost_model(spec, gpu, work)
+    """Tokens/s, memory and fit of each schedule for this model, box and workload."""
+    model = _Model.build(spec, gpu, work, work.tokens_per_microbatch)
+    sim_microbatches = work.round_microbatches(num_gpus)
+    costs = cost_model(model, gpu, work, num_gpus, sim_microbatches)
     budget = int(gpu.memory_bytes * MEMORY_HEADROOM)
+    host_budget = None if host_ram is None else int(host_ram * MEMORY_HEADROOM)
+    sim_tokens = sim_microbatches * work.tokens_per_microbatch
     predictions = []
     for name in schedules:
         if name == "roundpipe":
-            plan = auto_plan(costs, num_gpus, work.num_microbatches, [budget] * num_gpus)
-            result = simulate_roundpipe(plan, costs, num_gpus, work.num_microbatches)
-            host = spec.num_params * HOST_STATE_BYTES_PER_PARAM + _saved_inputs(costs, plan, work)
+            plan = auto_plan(
+                costs,
+                num_gpus,
+                sim_microbatches,
+                [budget] * num_gpus,
+                round_size=sim_microbatches,
+                refine=False,
+            )
+            sim_time = steady_iteration_time(
+                plan, costs, num_gpus, sim_microbatches, round_size=sim_microbatches
+            )
+            host_time = host_round_time(model, work, num_gpus, sim_microbatches)
+            peak = _roundpipe_peak(costs, plan)
+            host = _host_bytes(model, plan, sim_microbatches, costs.layers.boundary_bytes)
+            detail = f"plan {plan}, rounds of {sim_microbatches} microbatches"
+            if host_time > sim_time:
+                detail += (
+                    f", host-memory bound ({sim_time:.2f} s simulated, {host_time:.2f} s host)"
+                )
+                sim_time = host_time
+            extra = {"max_seq_len": max_seq_len(spec, gpu, work)}
         else:
             try:
-                result = simulate_baseline(name, costs, num_gpus, work.num_microbatches)
+                result = simulate_baseline(name, costs, num_gpus, sim_microbatches)
             except ValueError as unsupported:
-                predictions.append(Prediction(name, 0.0, 0.0, 0, False, None, str(unsupported)))
+                predictions.append(
+                    Prediction(name, 0.0, 0.0, 0, budget, False, None, None, None, str(unsupported))
+                )
                 continue
-            host = None
-        predictions.append(_prediction(result, work, budget, host))
+            sim_time, peak = result.iteration_time or result.makespan, max(result.peak_memory)
+            host, detail, extra = None, result.detail, {}
+        tokens_per_s = sim_tokens / sim_time
+        fits_host = None if host is None or host_budget is None else host <= host_budget
+        predictions.append(
+            Prediction(
+                schedule=name,
+                tokens_per_s=tokens_per_s,
+                iteration_time=work.batch * work.seq_len / tokens_per_s,
+                gpu_memory=peak,
+                gpu_budget=budget,
+                fits=peak <= budget,
+                host_ram=host,
+                host_ram_budget=None if host is None else host_budget,
+                host_ram_fits=fits_host,
+                detail=detail,
+                **extra,
+            )
+        )
     return predictions
 
 
-def _prediction(result: SimResult, work: Workload, budget: int, host: int | None) -> Prediction:
-    time = result.iteration_time or result.makespan
-    peak = max(result.peak_memory)
-    return Prediction(
-        schedule=result.schedule,
-        tokens_per_s=work.batch * work.seq_len / time,
-        iteration_time=time,
-        gpu_memory=peak,
-        fits=peak <= budget,
-        host_ram=host,
-        detail=result.detail,
+def cost_model(
+    model: _Model, gpu: Gpu, work: Workload, num_gpus: int, sim_microbatches: int
+) -> CostModel:
+    """The simulator's costs of one round of ``sim_microbatches`` of the workload."""
+    units = model.units
+    boundary = work.tokens_per_microbatch * model.spec.hidden_size * HALF
+    upload = model.upload_bytes
+    grads = model.trainable * HALF
+    pcie = PCIE_BANDWIDTH[work.pcie] if work.pcie else gpu.pcie_bandwidth
+    layers = LayerCosts(
+        forward=tuple(u.forward for u in units),
+        backward=tuple(u.backward for u in units),
+        param_bytes=tuple(u.param_bytes for u in units),
+        activation_bytes=tuple(u.activation_bytes for u in units),
+        boundary_bytes=boundary,
+    )
+    # the step streams its bytes at the host's bandwidth, once per whole batch
+    step = model.trainable * ADAM_BYTES / work.host_bandwidth
+    return CostModel(
+        layers=layers,
+        comm=2 * boundary / pcie,
+        h2d_bandwidth=pcie,
+        d2h_bandwidth=pcie,
+        optimizer_time=step * sim_microbatches / work.num_microbatches,
+        grad_bytes_ratio=grads / upload,
+        device_optimizer_ratio=DEVICE_OPTIMIZER_RATIO * grads / upload,
     )
 
 
-def _saved_inputs(costs: CostModel, plan, work: Workload) -> int:
-    """Host bytes of the saved stage inputs (one per backward stage and microbatch)."""
-    return (len(plan.backward) - 1) * work.num_microbatches * costs.layers.boundary_bytes
+def host_round_time(model: _Model, work: Workload, num_gpus: int, round_size: int) -> float:
+    """Seconds the host memory needs per round for every copy and its share of the step."""
+    boundary = work.tokens_per_microbatch * model.spec.hidden_size * HALF
+    hops = round_size * 2 * (2 * num_gpus) * boundary  # both ways, forward and backward
+    weights = 2 * model.upload_bytes + model.trainable * (HALF + GRAD_ACCUMULATE_BYTES)
+    step = model.trainable * ADAM_BYTES * round_size / work.num_microbatches
+    return (hops + weights + step) / work.host_bandwidth
+
+
+def max_seq_len(spec: ModelSpec, gpu: Gpu, work: Workload) -> int:
+    """The longest sequence that trains at batch 1 with one layer per stage (the plan that
+    needs least memory: each layer recomputed alone), to the nearest 256 tokens."""
+    budget = gpu.memory_bytes * MEMORY_HEADROOM
+    probe = Workload(**{**work.__dict__, "batch": 1, "microbatch_size": 1})
+
+    def fits(seq_len: int) -> bool:
+        model = _Model.build(spec, gpu, Workload(**{**probe.__dict__, "seq_len": seq_len}), seq_len)
+        return _finest_plan_peak(model) <= budget
+
+    low, high = 0, 256
+    while fits(high) and high < 2**24:
+        low, high = high, high * 2
+    while high - low > 256:
+        middle = (low + high) // 2
+        low, high = (middle, high) if fits(middle) else (low, middle)
+    return low
+
+
+def _finest_plan_peak(model: _Model) -> int:
+    """Peak device bytes with one unit per stage: the running stage's weights, gradients
+    and activations, and the next stage's weights (prefetched)."""
+    ratio = model.trainable * HALF / model.upload_bytes
+    prefetched = max(u.param_bytes for u in model.units)
+    return max(u.param_bytes * (1 + ratio) + u.activation_bytes + prefetched for u in model.units)
+
+
+def _roundpipe_peak(costs: CostModel, plan) -> int:
+    """Peak device bytes of the plan: its biggest backward stage running with the next
+    stage's weights prefetched (as :func:`_finest_plan_peak`, stage by stage)."""
+    layers = costs.layers
+    stages = [(r, False) for r in plan.forward_ranges()]
+    stages += [(r, True) for r in plan.backward_ranges()]
+    prefetched = max(layers.stage_param_bytes(r) for r, _ in stages)
+    peaks = []
+    for r, backward in stages:
+        weights = layers.stage_param_bytes(r)
+        if backward:
+            own = weights * (1 + costs.grad_bytes_ratio) + layers.stage_activation_bytes(r)
+        else:
+            own = weights + max(layers.activation_bytes[i] for i in r)
+        peaks.append(own + prefetched)
+    return int(max(peaks))
+
+
+def _host_bytes(model: _Model, plan, round_microbatches: int, boundary: int) -> int:
+    saved_inputs = (len(plan.backward) - 1) * round_microbatches * boundary
+    return model.trainable * HOST_BYTES_TRAINABLE + model.frozen * HALF + saved_inputs

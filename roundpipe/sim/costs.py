@@ -1,16 +1,23 @@
-"""The simulator's cost model: per-layer times and bytes, hardware, transfer costs.
+"""The simulator's cost model: per-layer times and bytes, transfer costs.
 
 Everything is per *microbatch* and in seconds or bytes. A "layer" is one unit of
 the layer sequence the plan partitions; in the command line's synthetic mode the
 LM head (with the loss) is simply the last layer, with its own costs. The weight-
-bound baselines treat the last layer as the head: it is never recomputed.
+bound baselines treat the last layer as the head: it is never recomputed. GPU presets
+(``Hardware``, ``hardware``) live in :mod:`roundpipe.gpus` and are re-exported here.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+
+from ..gpus import GPU_PRESETS as HARDWARE_PRESETS
+from ..gpus import Gpu as Hardware
+from ..gpus import gpu_preset as hardware
+
+__all__ = ["HARDWARE_PRESETS", "CostModel", "Hardware", "LayerCosts", "hardware"]
 
 
 @dataclass(frozen=True)
@@ -142,42 +149,6 @@ class CostModel:
 
     def download_time(self, num_bytes: float) -> float:
         return num_bytes / self.d2h_bandwidth
-
-
-@dataclass(frozen=True)
-class Hardware:
-    """One GPU model: dense half-precision tensor FLOP/s, memory and PCIe bandwidth."""
-
-    name: str
-    flops: float
-    memory_bytes: int
-    h2d_bandwidth: float
-    d2h_bandwidth: float
-    notes: str = field(default="", compare=False)
-
-
-GIB = 1024**3
-
-HARDWARE_PRESETS: dict[str, Hardware] = {
-    "rtx4090": Hardware(
-        "rtx4090",
-        165e12,
-        24 * GIB,
-        25e9,
-        25e9,
-        "fp16 tensor, fp32 accumulate; PCIe 4.0 x16",
-    ),
-    "a800": Hardware("a800", 312e12, 80 * GIB, 25e9, 25e9, "bf16 tensor; PCIe 4.0 x16 to host"),
-    "h200": Hardware("h200", 989e12, 141 * GIB, 50e9, 50e9, "bf16 tensor dense; PCIe 5.0 x16"),
-}
-
-
-def hardware(name: str) -> Hardware:
-    try:
-        return HARDWARE_PRESETS[name.lower()]
-    except KeyError:
-        known = ", ".join(sorted(HARDWARE_PRESETS))
-        raise ValueError(f"unknown GPU preset {name!r}; known presets: {known}") from None
 
 
 def _or_default(values: Sequence, n: int, default, cast) -> tuple:

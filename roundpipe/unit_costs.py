@@ -1,0 +1,226 @@
+"""Seconds and device bytes of each pipeline unit (embedding, decoder layer, head), from
+a model's shapes, a GPU and one microbatch of tokens.
+
+The terms, each priced at what bounds it on a GPU (the constants are calibrated once
+for all models against the published RoundPipe measurements, bench/README.md
+"Calibration"):
+
+- matmuls (projections, dense MLP, router, LM head, LoRA adapters): FLOPs at
+  ``MATMUL_EFFICIENCY`` of the precision's dense tensor peak (``--mfu`` overrides it);
+- attention (flash, causal; sliding-window layers see at most the window): FLOPs at
+  ``ATTENTION_EFFICIENCY`` of the fp32-accumulate peak; backward is 2.5x forward;
+- expert GEMMs of an MoE layer: each expert's FLOPs on its few tokens (tokens x top-k
+  / experts) *plus* reading its weights from device memory, a roofline sum that makes
+  small expert GEMMs slow, plus a fixed ``EXPERT_OVERHEAD`` per expert and pass (the
+  per-expert Python loop of Hugging Face's MoE layers);
+- elementwise work (Hugging Face's fp32 RMSNorm, rotary, SwiGLU, residuals, MoE gather
+  and combine, the loss over the vocabulary): bytes read and written per token,
+  counted op by op below, at ``MEMORY_EFFICIENCY`` of memory bandwidth; backward moves
+  twice the forward bytes.
+
+A layer's backward computes the weight gradient and the input gradient of every
+trainable matmul (2x forward FLOPs); a frozen one (the LoRA base) computes only the
+input gradient (1x). Recompute repeats the forward. The head's chunked loss
+recomputes each chunk's logits in backward, as :mod:`roundpipe.hf.decoder` does.
+
+Activation bytes are what autograd saves per token (fp16/bf16 values, Hugging Face's
+fp32 norms), a frozen linear without an adapter saving no input, plus the gradient
+buffers of one layer's backward; the calibrated ``ACTIVATION_FACTOR`` covers the
+allocator's caching and fragmentation and the temporaries counted here only once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .gpus import Gpu
+from .model_specs import ModelSpec
+
+MATMUL_EFFICIENCY = 0.82
+ATTENTION_EFFICIENCY = 0.6
+MEMORY_EFFICIENCY = 0.9
+ACTIVATION_FACTOR = 1.35
+EXPERT_OVERHEAD = 110e-6
+"""Seconds per expert and forward pass outside its GEMMs: Hugging Face's MoE layers loop
+over the experts in Python (find the expert's tokens, which syncs with the host,
+gather, three GEMMs, activation, weighted scatter-add); backward replays it twice."""
+HEAD_BYTES_PER_LOGIT = 1.2
+"""Head memory per token and vocabulary entry that grows with the sequence (calibrated
+to the published maximum lengths; roundpipe.hf.decoder's chunked loss itself is bounded)."""
+LOSS_CHUNK_TOKENS = 4096
+"""Tokens per chunk of the head's loss (``roundpipe.hf.decoder.LOSS_CHUNK_TOKENS``)."""
+
+HALF, FP32 = 2, 4
+NORM_BYTES = 36  # HF RMSNorm per element: upcast, square, mean, scale, downcast, weight
+ROTARY_BYTES = 20  # x*cos + rotate_half(x)*sin
+SWIGLU_BYTES = 10  # silu(gate) * up
+RESIDUAL_BYTES = 6
+LOSS_FORWARD_BYTES = 12  # per logit: half logits, fp32 log-softmax (calibrated: eager is ~16)
+LOSS_BACKWARD_BYTES = 8  # per logit: softmax gradient, downcast (calibrated)
+ATTENTION_BACKWARD = 2.5
+
+
+@dataclass(frozen=True)
+class UnitCost:
+    """One unit, one microbatch: seconds, and the bytes of its weights and activations."""
+
+    forward: float
+    backward: float
+    param_bytes: int
+    activation_bytes: int
+
+
+@dataclass(frozen=True)
+class Kernels:
+    """How fast a GPU runs each kind of work in one precision mode."""
+
+    gpu: Gpu
+    precision: str
+    matmul_efficiency: float | None = None
+    """Overrides ``MATMUL_EFFICIENCY`` (the command line's ``--mfu``)."""
+
+    @property
+    def matmul_speed(self) -> float:
+        efficiency = self.matmul_efficiency or MATMUL_EFFICIENCY
+        return self.gpu.matmul_flops(self.precision) * efficiency
+
+    @property
+    def attention_speed(self) -> float:
+        return self.gpu.attention_flops * ATTENTION_EFFICIENCY
+
+    @property
+    def memory_speed(self) -> float:
+        return self.gpu.memory_bandwidth * MEMORY_EFFICIENCY
+
+
+def layer_cost(
+    spec: ModelSpec,
+    kernels: Kernels,
+    tokens: int,
+    seq_len: int,
+    window: int | None,
+    lora_rank: int,
+) -> UnitCost:
+    """A decoder layer: attention (full or over a sliding ``window``) and MLP or MoE."""
+    frozen = lora_rank > 0
+    h, q, kv = spec.hidden_size, spec.q_width, spec.kv_width
+    dense_linear = h * (2 * q + 2 * kv) + 3 * h * spec.intermediate_size + spec.router_params
+    adapters = spec.lora_layer_params(lora_rank)
+    matmul = 2 * tokens * (dense_linear + adapters)
+    matmul_backward = 2 * tokens * (dense_linear * (1 if frozen else 2) + 2 * adapters)
+    attention = 4 * tokens * _context(seq_len, window) * q
+    elementwise = tokens * _elementwise_bytes(spec)
+    experts_fwd, experts_bwd = _expert_times(spec, kernels, tokens, frozen)
+    forward = (
+        matmul / kernels.matmul_speed
+        + attention / kernels.attention_speed
+        + elementwise / kernels.memory_speed
+        + experts_fwd
+    )
+    backward = (
+        matmul_backward / kernels.matmul_speed
+        + ATTENTION_BACKWARD * attention / kernels.attention_speed
+        + 2 * elementwise / kernels.memory_speed
+        + experts_bwd
+    )
+    activations = tokens * _saved_bytes(spec, frozen, lora_rank > 0)
+    return UnitCost(
+        forward,
+        backward,
+        (spec.layer_params + adapters) * HALF,
+        int(ACTIVATION_FACTOR * activations),
+    )
+
+
+def head_cost(spec: ModelSpec, kernels: Kernels, tokens: int, frozen: bool) -> UnitCost:
+    """Final norm, LM head and the loss in chunks (each chunk recomputed in backward)."""
+    h, v = spec.hidden_size, spec.vocab_size
+    matmul = 2 * tokens * v * h
+    loss_fwd = tokens * (v * LOSS_FORWARD_BYTES + NORM_BYTES * h)
+    loss_bwd = tokens * v * (LOSS_FORWARD_BYTES + LOSS_BACKWARD_BYTES) + 2 * tokens * NORM_BYTES * h
+    forward = matmul / kernels.matmul_speed + loss_fwd / kernels.memory_speed
+    backward = (1 + (1 if frozen else 2)) * matmul / kernels.matmul_speed
+    backward += loss_bwd / kernels.memory_speed
+    chunk = min(tokens, LOSS_CHUNK_TOKENS)
+    working = chunk * v * (LOSS_FORWARD_BYTES + LOSS_BACKWARD_BYTES) // 2
+    saved = tokens * ((2 * HALF + FP32) * h + HEAD_BYTES_PER_LOGIT * v)
+    return UnitCost(forward, backward, spec.embedding_params * HALF, int(saved + working))
+
+
+def embedding_cost(spec: ModelSpec, kernels: Kernels, tokens: int, frozen: bool) -> UnitCost:
+    """The lookup, and (trained) the dense gradient of the table it scatters into."""
+    h = spec.hidden_size
+    forward = 2 * HALF * tokens * h / kernels.memory_speed
+    backward = 0.0 if frozen else (spec.embedding_params + 2 * tokens * h) * HALF
+    return UnitCost(
+        forward,
+        backward / kernels.memory_speed,
+        spec.embedding_params * HALF,
+        tokens * h * HALF,
+    )
+
+
+def _context(seq_len: int, window: int | None) -> float:
+    """Average number of keys a query attends to (causal, maybe windowed)."""
+    full = (seq_len + 1) / 2
+    if window is None or window >= seq_len:
+        return full
+    return window * (1 - window / (2 * seq_len))
+
+
+def _elementwise_bytes(spec: ModelSpec) -> int:
+    """Forward bytes read and written per token by the layer's memory-bound ops."""
+    h, q, kv = spec.hidden_size, spec.q_width, spec.kv_width
+    norms = NORM_BYTES * (2 * h + (q + kv if spec.qk_norm else 0))
+    attention = ROTARY_BYTES * (q + kv) + 2 * HALF * (2 * q + 2 * kv)  # rotary, layout copies
+    residuals = 2 * RESIDUAL_BYTES * h
+    if not spec.is_moe:
+        return norms + attention + residuals + SWIGLU_BYTES * spec.intermediate_size
+    k = spec.experts_per_token
+    routing = 3 * FP32 * spec.num_experts  # router softmax and top-k
+    gather_combine = k * (2 * HALF * h + 2 * FP32 * h)  # copy inputs in, weighted sum out
+    experts = k * SWIGLU_BYTES * spec.moe_intermediate_size
+    return norms + attention + residuals + routing + gather_combine + experts
+
+
+def _expert_times(
+    spec: ModelSpec, kernels: Kernels, tokens: int, frozen: bool
+) -> tuple[float, float]:
+    """Forward and backward seconds of an MoE layer's expert GEMMs (0 for a dense layer)."""
+    if not spec.is_moe:
+        return 0.0, 0.0
+    routed = tokens * spec.experts_per_token
+    used = min(spec.num_experts, routed)
+    params = spec.expert_params
+    flops = 2 * routed * params  # all experts together
+    weights = used * params * HALF / kernels.memory_speed
+    overhead = used * EXPERT_OVERHEAD
+    forward = flops / kernels.matmul_speed + weights + overhead
+    if frozen:  # input gradient only: read the weights once more
+        return forward, forward + overhead
+    # input and weight gradients: read the weights, write their gradients
+    return forward, 2 * flops / kernels.matmul_speed + 2 * weights + 2 * overhead
+
+
+def _saved_bytes(spec: ModelSpec, frozen: bool, adapted: bool) -> int:
+    """Bytes per token a layer keeps for its backward, plus its backward's gradients."""
+    h, q, kv = spec.hidden_size, spec.q_width, spec.kv_width
+    attention_inputs = (not frozen) or adapted  # q/k/v/o save their inputs
+    mlp_inputs = (not frozen) or (adapted and not spec.is_moe)
+    # each norm keeps its fp32 input, and its output where a linear saves it as input
+    norms = 2 * FP32 * h + HALF * h * (attention_inputs + (mlp_inputs or not frozen))
+    if spec.qk_norm:
+        norms += (FP32 + HALF) * (q + kv)
+    attention = HALF * (2 * q + 2 * kv) + (HALF * q if attention_inputs else 0)
+    attention_grads = HALF * (2 * q + 2 * kv)
+    if not spec.is_moe:
+        i = spec.intermediate_size
+        mlp = HALF * 3 * i + (HALF * i if mlp_inputs else 0)
+        grads = max(attention_grads, HALF * 3 * i)
+        return norms + attention + mlp + grads + HALF * h
+    k, i = spec.experts_per_token, spec.moe_intermediate_size
+    per_expert_token = HALF * 3 * i + HALF * h + (HALF * (i + h) if mlp_inputs else 0)
+    routing = FP32 * spec.num_experts
+    # backward runs the experts one after another: one expert's gradients at a time
+    grads = max(attention_grads, k * HALF * h)
+    return norms + attention + routing + k * per_expert_token + grads + HALF * h
