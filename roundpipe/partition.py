@@ -20,11 +20,15 @@ from collections.abc import Iterator, Sequence
 
 from .plan import Plan, PlanError
 from .sim.baselines import balanced_partition
+from .sim.bounds import PlanBounds
 from .sim.costs import CostModel, LayerCosts
 from .sim.roundpipe_schedule import steady_iteration_time
 
 CAP_FACTORS = (1.0, 1.05, 1.1, 1.2, 1.35, 1.5, 1.75, 2.0, 2.5, 3.0, 4.0)
 """Stage-time caps tried, as multiples of the slowest unavoidable stage."""
+NEAR_OPTIMAL = 0.005
+"""Refinement stops once a plan is predicted within this fraction of the lower bound
+on every plan's iteration time, and only takes moves that gain more than this."""
 
 
 def auto_plan(
@@ -50,7 +54,7 @@ def auto_plan(
             f"got {len(memory_budgets)} memory budgets for {num_devices} devices; give one each"
         )
     search = _Search(model, num_devices, num_microbatches, memory_budgets, round_size)
-    best = min(search.candidates(), key=search.score, default=None)
+    best = search.best(search.candidates())
     if best is None:
         raise PlanError(search.no_fit_message())
     return search.refine(best) if refine else best
@@ -126,11 +130,28 @@ class _Search:
         self.memory_budgets = memory_budgets
         self.round_size = round_size
         self._scores: dict[Plan, float] = {}
+        self.bounds = PlanBounds(
+            costs, num_devices, num_microbatches, round_size=round_size or num_devices
+        )
         layers = costs.layers
         self.n = layers.num_layers
         self.forward = list(layers.forward)
         self.backward = [r + b for r, b in zip(layers.recompute, layers.backward, strict=True)]
         self.fused = [f + b for f, b in zip(layers.forward, layers.backward, strict=True)]
+
+    def best(self, plans: Iterator[Plan]) -> Plan | None:
+        """The best-scoring plan, as if every plan were simulated: plans are simulated
+        in the order of their lower bounds, until the next bound cannot beat the best."""
+        best: Plan | None = None
+        for bound, plan in _by_bound((self.bounds.of(p), p) for p in plans):
+            if best is not None and bound >= self.score(best):
+                break
+            if best is None or self.score(plan) < self.score(best):
+                best = plan
+        return best
+
+    def _near_optimal(self, plan: Plan) -> bool:
+        return self.score(plan) <= (1 + NEAR_OPTIMAL) * self.bounds.floor
 
     def score(self, plan: Plan) -> float:
         if plan not in self._scores:
@@ -166,10 +187,14 @@ class _Search:
     def refine(self, plan: Plan) -> Plan:
         """Move single stage boundaries (and the fused boundary) while it helps."""
         improved = True
-        while improved:
+        while improved and not self._near_optimal(plan):
             improved = False
-            for neighbour in _neighbours(plan):
-                if self._fits(neighbour) and self.score(neighbour) < self.score(plan):
+            goal = self.score(plan) * (1 - NEAR_OPTIMAL)
+            moves = _by_bound((self.bounds.of(p), p) for p in _neighbours(plan) if self._fits(p))
+            for bound, neighbour in moves:
+                if bound >= goal:
+                    break
+                if self.score(neighbour) < goal:
                     plan, improved = neighbour, True
                     break
         return plan
@@ -206,6 +231,10 @@ class _Search:
 
     def _mem(self, backward: bool) -> list[int]:
         return [stage_footprint(self.costs, range(i, i + 1), backward) for i in range(self.n)]
+
+
+def _by_bound(bounded: Iterator[tuple[float, Plan]]) -> list[tuple[float, Plan]]:
+    return sorted(bounded, key=lambda pair: pair[0])
 
 
 def _pack(times: Sequence[float], cap: float, sizes: Sequence[int], memory_cap: float) -> list[int]:

@@ -37,6 +37,7 @@ from ..program import CallShape, DeviceOp, JobProgram, job_program, plan_chunks,
 from ..schedule import Job, JobKind, Schedule, lower
 from ..timeline import HOST, Timeline
 from . import engine
+from .bounds import PlanBounds
 from .costs import CostModel
 from .engine import ACT_H2D, COMPUTE, D2H, H2D, OPTIMIZER, Dep, Op
 from .result import SimResult, bubbles, busy_time, compute_makespan, peak_memory
@@ -134,7 +135,10 @@ def steady_iteration_time(
     with _gc_paused():
         ends = sim.iteration_ends(num_microbatches, warm + measured)
     mean = (ends[-1] - ends[warm - 1]) / measured
-    return max(mean, costs.optimizer_time) if is_async else mean
+    bounds = PlanBounds(
+        costs, num_devices, num_microbatches, round_size=round_size, is_async=is_async
+    )
+    return max(mean, bounds.of(plan))
 
 
 @contextmanager

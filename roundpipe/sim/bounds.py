@@ -1,0 +1,84 @@
+"""Lower bounds on a plan's steady-state iteration time (pure arithmetic, no simulation).
+
+The planner simulates candidates in the order of these bounds and skips any whose
+bound cannot beat the best simulated so far, so it finds the same plan as simulating
+every candidate, with far fewer simulations. The steady-state estimate itself is
+never below them (a few simulated iterations can catch the quick part of a cycle).
+Three facts bound an iteration, for rounds of ``R`` microbatches (an iteration is one
+or more rounds):
+
+- **work**: a device computes at most all the time, so an iteration lasts at least
+  its compute (forward, backward, and recompute outside the fused stage) over N;
+- **chain**: a round is dispatched when the previous round's last loss is known, and
+  its microbatches then flow through the forward stages into the fused stage like
+  items through a flow shop: at least the first microbatch's path (each stage, each
+  activation hop) plus ``R - 1`` times the slowest of those stages;
+- **optimizer**: the asynchronous host optimizer runs one step at a time, so the
+  steady state is at least its time per step.
+
+``floor`` is the smallest bound any plan can have (the work and optimizer bounds, and
+the chain bound with every stage of one layer), for a given fused-stage size or any.
+"""
+
+from __future__ import annotations
+
+from ..plan import Plan
+from .costs import CostModel
+
+
+class PlanBounds:
+    def __init__(
+        self,
+        costs: CostModel,
+        num_devices: int,
+        num_microbatches: int,
+        *,
+        round_size: int | None = None,
+        is_async: bool = True,
+    ) -> None:
+        layers = costs.layers
+        self.n = layers.num_layers
+        self.comm = costs.comm
+        full, rest = divmod(num_microbatches, round_size or num_devices)
+        self.rounds = [round_size or num_devices] * full + ([rest] if rest else [])
+        self.optimizer = costs.optimizer_time if is_async else 0.0
+        self.forward = layers.forward
+        self.fused_times = [f + b for f, b in zip(layers.forward, layers.backward, strict=True)]
+        compute = sum(layers.forward) + sum(layers.backward)
+        self._work: list[float] = []  # by fused size - 1
+        recompute = 0.0
+        recompute_prefix = [0.0]
+        for r in layers.recompute:
+            recompute += r
+            recompute_prefix.append(recompute)
+        for fused in range(1, self.n + 1):
+            spent = num_microbatches * (compute + recompute_prefix[self.n - fused])
+            self._work.append(spent / num_devices)
+        self.floor = min(self.fused_floor(f) for f in range(1, self.n + 1))
+
+    def of(self, plan: Plan) -> float:
+        """No schedule of ``plan`` has a shorter steady-state iteration."""
+        stages = []
+        start = 0
+        for size in plan.forward:
+            stages.append(sum(self.forward[start : start + size]))
+            start += size
+        hops = len(plan.forward) if start > 0 else 0
+        fused = sum(self.fused_times[start:])
+        return max(self._work[plan.backward[0] - 1], self._chain(stages, fused, hops))
+
+    def fused_floor(self, fused: int) -> float:
+        """The least bound of any plan whose fused stage has ``fused`` layers."""
+        start = self.n - fused
+        stages = list(self.forward[:start])  # one layer per forward stage
+        hops_free = 0  # a hop costs ``comm``; with fewer stages there are fewer hops
+        return max(
+            self._work[fused - 1],
+            self._chain(stages, sum(self.fused_times[start:]), hops_free),
+        )
+
+    def _chain(self, stages: list[float], fused: float, hops: int) -> float:
+        first = sum(stages) + fused + hops * self.comm
+        slowest = max([fused, *stages])
+        chain = sum(first + (size - 1) * slowest for size in self.rounds)
+        return max(chain, self.optimizer)
