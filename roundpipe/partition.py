@@ -26,6 +26,9 @@ from .sim.roundpipe_schedule import steady_iteration_time
 
 CAP_FACTORS = (1.0, 1.05, 1.1, 1.2, 1.35, 1.5, 1.75, 2.0, 2.5, 3.0, 4.0)
 """Stage-time caps tried, as multiples of the slowest unavoidable stage."""
+REFINE_BUDGET = 12
+"""Simulations refinement may spend; on the randomised profiles of the tests it rarely
+gains more than a percent or two over the best candidate."""
 NEAR_OPTIMAL = 0.005
 """Refinement stops once a plan is predicted within this fraction of the lower bound
 on every plan's iteration time, and only takes moves that gain more than this."""
@@ -181,18 +184,21 @@ class _Search:
         # One layer per stage needs the least memory per stage: if anything fits, it does
         # (packing under a time cap, then rebalancing, can miss it on a tight budget).
         finest = Plan((1,) * (self.n - 1), (1,) * self.n)
-        if finest not in seen and self._fits(finest):
-            yield finest
+        rules = [finest, paper_greedy_plan(self.costs.layers)]
+        for plan in rules:
+            if plan not in seen and self._fits(plan):
+                seen.add(plan)
+                yield plan
 
     def refine(self, plan: Plan) -> Plan:
         """Move single stage boundaries (and the fused boundary) while it helps."""
-        improved = True
+        improved, spent = True, len(self._scores)
         while improved and not self._near_optimal(plan):
             improved = False
             goal = self.score(plan) * (1 - NEAR_OPTIMAL)
             moves = _by_bound((self.bounds.of(p), p) for p in _neighbours(plan) if self._fits(p))
             for bound, neighbour in moves:
-                if bound >= goal:
+                if bound >= goal or len(self._scores) - spent >= REFINE_BUDGET:
                     break
                 if self.score(neighbour) < goal:
                     plan, improved = neighbour, True
@@ -231,6 +237,35 @@ class _Search:
 
     def _mem(self, backward: bool) -> list[int]:
         return [stage_footprint(self.costs, range(i, i + 1), backward) for i in range(self.n)]
+
+
+def equal_size_plans(num_layers: int) -> Iterator[Plan]:
+    """Hand-tuned plans: a fused stage of ``f`` layers, every other stage of ``k`` (the
+    last forward and the last backward stage take the remainder), for every f and k."""
+    for fused in range(1, num_layers):
+        rest = num_layers - fused
+        for size in range(1, rest + 1):
+            stages = (size,) * (rest // size) + ((rest % size,) if rest % size else ())
+            yield Plan(stages, (fused, *stages[::-1]))
+
+
+def paper_greedy_plan(layers: LayerCosts, slack: float = 1.1) -> Plan:
+    """The paper's rule: pack contiguous layers greedily into stages whose time stays
+    under ``slack`` times the slowest single layer of that kind of stage (forward;
+    recompute + backward; the fused stage's forward + backward, packed from the top)."""
+    n = layers.num_layers
+    forward = list(layers.forward)
+    backward = [r + b for r, b in zip(layers.recompute, layers.backward, strict=True)]
+    fused_times = [f + b for f, b in zip(layers.forward, layers.backward, strict=True)]
+    no_memory = [0] * n
+    fused = _pack(fused_times[::-1], slack * max(fused_times), no_memory, math.inf)[0]
+    fused = min(fused, n - 1)
+    rest = n - fused
+    forward_stages = _pack(forward[:rest], slack * max(forward), no_memory[:rest], math.inf)
+    backward_stages = _pack(
+        backward[:rest][::-1], slack * max(backward), no_memory[:rest], math.inf
+    )
+    return Plan(tuple(forward_stages), (fused, *backward_stages))
 
 
 def _by_bound(bounded: Iterator[tuple[float, Plan]]) -> list[tuple[float, Plan]]:
