@@ -14,7 +14,7 @@ reported instead of mis-timed.
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from heapq import heappop, heappush
 from typing import NamedTuple
 
@@ -95,8 +95,55 @@ class Times:
     """Op indices in the order they started."""
 
 
+@dataclass
+class OpArrays:
+    """Ops as parallel lists, the form :func:`replay_arrays` runs: per op its queue
+    (one number per in-order stream), duration, priority, shared resource (-1: none)
+    and the indices of the ops it waits for, with a lag for each (``None``: no lags)."""
+
+    queue: list[int] = field(default_factory=list)
+    duration: list[float] = field(default_factory=list)
+    priority: list[int] = field(default_factory=list)
+    resource: list[int] = field(default_factory=list)
+    deps: list[list[int]] = field(default_factory=list)
+    lags: list[list[float] | None] = field(default_factory=list)
+
+    def add(self, queue: int, duration: float, priority: int, resource: int, deps, lags=None):
+        self.queue.append(queue)
+        self.duration.append(duration)
+        self.priority.append(priority)
+        self.resource.append(resource)
+        self.deps.append(deps)
+        self.lags.append(lags)
+        return len(self.queue) - 1
+
+
 def replay(ops: Sequence[Op]) -> Times:
-    """The start time of every op, in op order (the core of :func:`run`).
+    """The start time of every op, in op order (the core of :func:`run`)."""
+    position = {op.key: i for i, op in enumerate(ops)}
+    if len(position) != len(ops):
+        raise SimulationError("two ops share a key")
+    arrays = OpArrays()
+    queues: dict[tuple[int, str], int] = {}
+    resources: dict[Hashable, int] = {}
+    for op in ops:
+        deps = []
+        for dep in op.deps:
+            j = position.get(dep.key)
+            if j is None:
+                raise SimulationError(f"{op.label} depends on {dep.key!r}, which is no op")
+            deps.append(j)
+        resource = -1 if op.resource is None else resources.setdefault(op.resource, len(resources))
+        lags = [dep.lag for dep in op.deps] if any(dep.lag for dep in op.deps) else None
+        queue = queues.setdefault((op.device, op.stream), len(queues))
+        arrays.add(queue, op.duration, op.priority, resource, deps, lags)
+    return replay_arrays(
+        arrays, lambda i: f"{ops[i].label} on device {ops[i].device}/{ops[i].stream}"
+    )
+
+
+def replay_arrays(ops: OpArrays, describe=str) -> Times:
+    """Start times of ``ops`` (see :class:`OpArrays`); ops of a queue run in list order.
 
     An event loop over the queue heads whose dependencies have all ended, kept in a
     heap by ``(start, priority, order)``. A head waiting for a shared resource may
@@ -104,36 +151,22 @@ def replay(ops: Sequence[Op]) -> Times:
     entry is then stale (too early) and is re-keyed when it surfaces, so the op that
     starts is always the one with the smallest current key.
     """
-    n = len(ops)
-    position = {op.key: i for i, op in enumerate(ops)}
-    if len(position) != n:
-        raise SimulationError("two ops share a key")
-    queue_ids: dict[tuple[int, str], int] = {}
-    queues: list[list[int]] = []
-    queue_of = [0] * n
+    queue_of, durations, priorities = ops.queue, ops.duration, ops.priority
+    resource_of, all_deps, all_lags = ops.resource, ops.deps, ops.lags
+    n = len(queue_of)
+    num_queues = max(queue_of, default=-1) + 1
+    queues: list[list[int]] = [[] for _ in range(num_queues)]
     dependents: list[list[int]] = [[] for _ in range(n)]
     missing = [0] * n
-    resources: dict[Hashable, int] = {}
-    resource_of = [-1] * n
-    for i, op in enumerate(ops):
-        q = queue_ids.setdefault((op.device, op.stream), len(queues))
-        if q == len(queues):
-            queues.append([])
-        queues[q].append(i)
-        queue_of[i] = q
-        if op.resource is not None:
-            resource_of[i] = resources.setdefault(op.resource, len(resources))
-        for dep in op.deps:
-            j = position.get(dep.key)
-            if j is None:
-                raise SimulationError(f"{op.label} depends on {dep.key!r}, which is no op")
+    for i in range(n):
+        queues[queue_of[i]].append(i)
+        deps = all_deps[i]
+        missing[i] = len(deps)
+        for j in deps:
             dependents[j].append(i)
-            missing[i] += 1
-    durations = [op.duration for op in ops]
-    priorities = [op.priority for op in ops]
-    heads = [0] * len(queues)
-    free = [0.0] * len(queues)
-    busy = [0.0] * len(resources)
+    heads = [0] * num_queues
+    free = [0.0] * num_queues
+    busy = [0.0] * (max(resource_of, default=-1) + 1)
     end = [0.0] * n
     ready = [0.0] * n
     start = [0.0] * n
@@ -142,21 +175,29 @@ def replay(ops: Sequence[Op]) -> Times:
     heap: list[tuple[float, int, int]] = []
 
     def offer(i: int) -> None:
+        lags = all_lags[i]
         op_ready = 0.0
-        for dep in ops[i].deps:
-            op_ready = max(op_ready, end[position[dep.key]] + dep.lag)
+        if lags is None:
+            for j in all_deps[i]:
+                if end[j] > op_ready:
+                    op_ready = end[j]
+        else:
+            for j, lag in zip(all_deps[i], lags, strict=True):
+                op_ready = max(op_ready, end[j] + lag)
         ready[i] = op_ready
         r = resource_of[i]
-        avail = free[queue_of[i]] if r < 0 else max(free[queue_of[i]], busy[r])
-        heappush(heap, (max(avail, op_ready), priorities[i], i))
+        avail = free[queue_of[i]]
+        if r >= 0 and busy[r] > avail:
+            avail = busy[r]
+        heappush(heap, (avail if avail > op_ready else op_ready, priorities[i], i))
 
     for queue in queues:
-        if missing[queue[0]] == 0:
+        if queue and missing[queue[0]] == 0:
             offer(queue[0])
     for _ in range(n):
         while True:
             if not heap:
-                raise SimulationError(_deadlock_message(ops, queues, heads, missing))
+                raise SimulationError(_deadlock_message(queues, heads, missing, describe))
             key_start, priority, i = heappop(heap)
             q, r = queue_of[i], resource_of[i]
             avail = free[q] if r < 0 else max(free[q], busy[r])
@@ -194,11 +235,10 @@ def spans(ops: Sequence[Op], timings: dict[Hashable, Timing]) -> list[Span]:
     ]
 
 
-def _deadlock_message(ops, queues, heads, missing) -> str:
+def _deadlock_message(queues, heads, missing, describe) -> str:
     blocked = []
     for q, queue in enumerate(queues):
         if heads[q] < len(queue):
-            op = ops[queue[heads[q]]]
-            waits = missing[queue[heads[q]]]
-            blocked.append(f"{op.label} on device {op.device}/{op.stream} waits for {waits} ops")
+            head = queue[heads[q]]
+            blocked.append(f"{describe(head)} waits for {missing[head]} ops")
     return "the schedule deadlocks: " + "; ".join(blocked[:6])
