@@ -119,7 +119,10 @@ class RoundPipe(Checkpoints, FromHuggingFace, nn.Module):
         pinned = self.run_config.execute_plan
         if isinstance(pinned, Plan):
             return pinned.validate(self.num_layers)
-        return self.planner.current(len(self.pool), self._microbatch_count(self.run_config))
+        config = self.run_config
+        return self.planner.current(
+            len(self.pool), self._microbatch_count(config), config.weight_chunk_bytes
+        )
 
     def extra_repr(self) -> str:
         return f"devices={self.pool!r}, plan={self.plan}"
@@ -377,7 +380,9 @@ class RoundPipe(Checkpoints, FromHuggingFace, nn.Module):
     def _plan_for(self, config: RoundPipeRunConfig) -> Plan:
         if isinstance(config.execute_plan, Plan):
             return config.execute_plan.validate(self.num_layers)
-        return self.planner.plan(len(self.pool), self._microbatch_count(config))
+        return self.planner.plan(
+            len(self.pool), self._microbatch_count(config), config.weight_chunk_bytes
+        )
 
     def _own_inputs(self, config, args: tuple, kwargs: dict, label: Any, num: int):
         """Per-microbatch copies of the inputs and labels, and the buffers they use."""

@@ -161,7 +161,7 @@ def test_a_replan_runs_off_the_callers_thread_and_takes_effect_at_a_later_call(m
 
     import roundpipe.runtime.planner as planner
     from roundpipe.plan import Plan
-    from roundpipe.sim.costs import LayerCosts
+    from roundpipe.sim.costs import CostModel, LayerCosts
 
     def profile(head: float) -> LayerCosts:
         return LayerCosts.from_lists([1.0] * 5 + [head], [2.0] * 5 + [2 * head], [0] * 6)
@@ -169,14 +169,14 @@ def test_a_replan_runs_off_the_callers_thread_and_takes_effect_at_a_later_call(m
     class Profiler:
         measured = profile(1.0)
 
-        def costs(self):
-            return self.measured
+        def cost_model(self, weight_chunk_bytes):
+            return CostModel(self.measured, weight_chunk_bytes=weight_chunk_bytes)
 
     first, better = Plan((2, 2), (1, 1)), Plan((2, 3), (1,))
     release = threading.Event()
 
     def slow_auto_plan(measured, *args, **kwargs):
-        if measured is Profiler.measured and measured.forward[-1] > 1:
+        if measured.layers is Profiler.measured and measured.layers.forward[-1] > 1:
             assert threading.current_thread().name == "roundpipe-replan"
             release.wait(10)  # a deep model's re-plan: seconds
             return better
@@ -185,11 +185,11 @@ def test_a_replan_runs_off_the_callers_thread_and_takes_effect_at_a_later_call(m
     monkeypatch.setattr(planner, "auto_plan", slow_auto_plan)
     monkeypatch.setattr(planner, "_predict", lambda plan, *_: 1.0 if plan == better else 2.0)
     auto = planner.AutoPlanner(Profiler(), None)
-    assert auto.plan(3, 4) == first
+    assert auto.plan(3, 4, None) == first
     Profiler.measured = profile(8.0)  # the head turned out heavy
-    assert auto.plan(3, 4) == first  # the re-plan started; this call keeps the plan
-    assert auto.plan(3, 4) == first  # still running: the caller never waits for it
+    assert auto.plan(3, 4, None) == first  # the re-plan started; this call keeps the plan
+    assert auto.plan(3, 4, None) == first  # still running: the caller never waits for it
     release.set()
     auto._replan.done.wait(10)
-    assert auto.plan(3, 4) == better  # adopted at the next call boundary
+    assert auto.plan(3, 4, None) == better  # adopted at the next call boundary
     assert auto.replans == 2

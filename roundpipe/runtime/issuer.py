@@ -12,7 +12,7 @@ handed to the worker's completer thread.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -24,9 +24,10 @@ from ..program import DeviceOp, JobProgram
 from ..schedule import Job, JobKind
 from .call import Call
 from .prefetch import StageWeights
+from .profiler import TransferTiming
 from .stage_compute import StageCompute, take
 from .sync import Handoff
-from .transfer import download_tree, upload_tree
+from .transfer import download_tree, tree_bytes, upload_tree
 
 if TYPE_CHECKING:
     from .worker import DeviceWorker
@@ -62,6 +63,8 @@ class JobIssuer:
         self.events: dict[int, Event] = {}
         self.needs_event = program.needs_event()
         self.waited: dict[tuple[str, str], int] = {}  # (stream, other stream) -> last op
+        self.transfers: list[TransferTiming] = list(weights.transfers)
+        """The job's timed transfers, for the profiler once the job has finished."""
         if program.weight_ops:
             self.events[program.weight_ops[-1].index] = weights.ready
 
@@ -188,14 +191,28 @@ class JobIssuer:
 
     # -- downloads and the end of the job -------------------------------------------------
 
+    def download_timing(self, boundary: bool = False) -> TransferTiming:
+        """A timing for a download op about to be issued, handed to the profiler later."""
+        timing = TransferTiming(self.device, "d2h", boundary)
+        self.transfers.append(timing)
+        return timing
+
+    def timed_download(self, timing: TransferTiming, stream: Stream, tree: Any) -> Any:
+        """Inside a download op: ``download_tree``, timed."""
+        timing.nbytes = tree_bytes(tree)
+        with timing.measure():
+            return download_tree(self.device, stream, tree)
+
     def download_value(self, op: DeviceOp, stream: Stream) -> None:
-        source, key, device = self.results[op.inputs[0]], op.key, self.device
+        source, key = self.results[op.inputs[0]], op.key
         what = _WHAT[type(key)](key)
+        # Only forward jobs download activations: their output or a saved stage input.
+        timing = self.download_timing(boundary=isinstance(key, Activation))
         host = Slot()
 
         def download() -> None:
             with failure_site(f"{self.name}: download of {what}, microbatch {op.microbatch}"):
-                host.value = download_tree(device, stream, source.value.pop(key))
+                host.value = self.timed_download(timing, stream, source.value.pop(key))
 
         stream.submit(download, self.info(op, "download", f"{what} mb{op.microbatch}"))
         self.mailbox.post(key, Handoff(host, stream.record()))
@@ -222,11 +239,11 @@ class JobIssuer:
         stream.submit(take_them, self.info(op, "bookkeeping", self.name))
 
     def download_whole(self, op: DeviceOp, stream: Stream, what: str) -> Handoff:
-        source, host, device = self.results[op.inputs[0]], Slot(), self.device
+        source, host, timing = self.results[op.inputs[0]], Slot(), self.download_timing()
 
         def download() -> None:
             with failure_site(f"{self.name}: download of {what}"):
-                host.value = download_tree(device, stream, take(source))
+                host.value = self.timed_download(timing, stream, take(source))
 
         stream.submit(download, self.info(op, "download", f"{what} mbNone"))
         return Handoff(host, stream.record())

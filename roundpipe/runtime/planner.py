@@ -1,7 +1,10 @@
 """Keeps the automatic plan in step with the profiler, without thrashing.
 
-The partitioner runs again only when measurements moved materially since the last
-time it ran (``should_replan``), and its new choice replaces the current plan only
+Plans are scored with every cost the profiler measured: per-layer compute, the link's
+bandwidth in each direction (weight uploads in the call's chunk size) and the time an
+activation takes to hop between stages. The partitioner runs again only when
+measurements moved materially since the last time it ran (``should_replan`` for the
+layers, :func:`link_moved` for the link), and its new choice replaces the current plan only
 if the simulator predicts it to be clearly faster under the new measurements, so
 near-ties measured with noise do not make the plan flip back and forth. While the
 plan keeps standing, checks become rarer (every 1, 2, 4, ... calls), so noisy
@@ -15,18 +18,21 @@ chosen on the caller's thread, since a call needs one.
 
 from __future__ import annotations
 
+import math
 import threading
 from collections.abc import Callable, Sequence
 
 from ..partition import auto_plan, predict_iteration_time, should_replan
 from ..plan import Plan
-from ..sim.costs import LayerCosts
+from ..sim.costs import CostModel
 from .profiler import LayerProfiler
 
 MIN_GAIN = 0.05
 """A new plan must be predicted at least this much faster to replace the current one."""
 MAX_INTERVAL = 64
 """Calls between checks grow (doubling) up to this while the plan keeps standing."""
+LINK_THRESHOLD = 0.15
+"""A bandwidth or hop time must move by this fraction of itself to warrant a re-plan."""
 
 
 class AutoPlanner:
@@ -35,25 +41,33 @@ class AutoPlanner:
         self.budgets = list(budgets) if budgets is not None else None
         self.replans = 0
         self._plan: Plan | None = None
-        self._costs: LayerCosts | None = None
-        self._key: tuple[int, int] | None = None
+        self._costs: CostModel | None = None
+        self._key: tuple[int, int, int | None] | None = None
         self._interval = 1
         self._calls_since_check = 0
         self._replan: _Background | None = None
 
-    def current(self, num_devices: int, num_microbatches: int) -> Plan:
-        """The plan in force, without counting a call (a first plan is chosen if needed)."""
-        key = (num_devices, num_microbatches)
+    @property
+    def costs(self) -> CostModel | None:
+        """The measurements the last partitioner run planned with (None before the first)."""
+        return self._costs
+
+    def current(
+        self, num_devices: int, num_microbatches: int, weight_chunk_bytes: int | None
+    ) -> Plan:
+        """The plan in force, without counting a call (a first plan is chosen if needed).
+        ``weight_chunk_bytes`` is the run config's: weights upload in chunks of it."""
+        key = (num_devices, num_microbatches, weight_chunk_bytes)
         if self._plan is None or self._key != key:
-            self._costs, self._key = self.profiler.costs(), key
+            self._costs, self._key = self.profiler.cost_model(weight_chunk_bytes), key
             self._plan = _auto_plan(self._costs, num_devices, num_microbatches, self.budgets)
             self.replans += 1
         return self._plan
 
-    def plan(self, num_devices: int, num_microbatches: int) -> Plan:
+    def plan(self, num_devices: int, num_microbatches: int, weight_chunk_bytes: int | None) -> Plan:
         """The plan for a call starting now; starts a re-plan in the background when
         measurements warrant it, and adopts a finished one's choice."""
-        key = (num_devices, num_microbatches)
+        key = (num_devices, num_microbatches, weight_chunk_bytes)
         if self._plan is None or self._key != key:
             self._replan = None  # chosen for another pool or microbatch count
             return self.current(*key)
@@ -66,8 +80,8 @@ class AutoPlanner:
         if self._calls_since_check < self._interval:
             return self._plan
         self._calls_since_check = 0
-        costs = self.profiler.costs()
-        if not should_replan(self._costs, costs):
+        costs = self.profiler.cost_model(weight_chunk_bytes)
+        if not (should_replan(self._costs.layers, costs.layers) or link_moved(self._costs, costs)):
             return self._plan
         self._costs = costs
         current, budgets = self._plan, self.budgets
@@ -102,10 +116,31 @@ class _Background:
             self.done.set()
 
 
-def _better_plan(costs: LayerCosts, key: tuple[int, int], current: Plan, budgets) -> Plan | None:
+def link_moved(old: CostModel, new: CostModel, threshold: float = LINK_THRESHOLD) -> bool:
+    """Whether a link bandwidth or the activation hop time moved by more than
+    ``threshold`` of its old value (a first measurement, from infinite or zero, counts)."""
+    pairs = (
+        (old.h2d_bandwidth, new.h2d_bandwidth),
+        (old.d2h_bandwidth, new.d2h_bandwidth),
+        (old.comm, new.comm),
+    )
+    return any(_moved(before, after, threshold) for before, after in pairs)
+
+
+def _moved(before: float, after: float, threshold: float) -> bool:
+    if before == after:
+        return False
+    if before in (0.0, math.inf) or after == math.inf:
+        return True
+    return abs(after - before) > threshold * before
+
+
+def _better_plan(
+    costs: CostModel, key: tuple[int, int, int | None], current: Plan, budgets
+) -> Plan | None:
     """The partitioner's choice under ``costs`` if it is predicted clearly faster than
     ``current``, else ``None``."""
-    candidate = _auto_plan(costs, *key, budgets)
+    candidate = _auto_plan(costs, *key[:2], budgets)
     if candidate != current and _predict(candidate, costs, key) < (1 - MIN_GAIN) * _predict(
         current, costs, key
     ):
@@ -113,14 +148,14 @@ def _better_plan(costs: LayerCosts, key: tuple[int, int], current: Plan, budgets
     return None
 
 
-def _predict(plan: Plan, costs: LayerCosts, key: tuple[int, int]) -> float:
-    num_devices, num_microbatches = key
+def _predict(plan: Plan, costs: CostModel, key: tuple[int, int, int | None]) -> float:
+    num_devices, num_microbatches, _ = key
     return predict_iteration_time(
         plan, costs, num_devices, num_microbatches, round_size=num_microbatches
     )
 
 
-def _auto_plan(costs, num_devices: int, num_microbatches: int, budgets) -> Plan:
+def _auto_plan(costs: CostModel, num_devices: int, num_microbatches: int, budgets) -> Plan:
     """The partitioner's choice for calls as the runtime runs them: every job of a call
     takes all of its microbatches, so a call is one round of ``num_microbatches``."""
     return auto_plan(costs, num_devices, num_microbatches, budgets, round_size=num_microbatches)

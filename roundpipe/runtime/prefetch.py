@@ -23,7 +23,7 @@ synchronously by CUDA: issuing such a chunk blocks this thread until it is stage
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -33,6 +33,7 @@ from ..errors import failure_site
 from ..program import UPLOAD_BUFFERS, JobProgram, job_program, plan_chunks
 from ..schedule import Job, JobKind
 from .call import Call
+from .profiler import TransferTiming
 
 if TYPE_CHECKING:
     from .worker import DeviceWorker
@@ -46,6 +47,8 @@ class StageWeights:
     """(parameters by uid, buffers by uid) on the device; emptied by the job's release."""
     ready: Event
     """Recorded on the weight-upload stream after the last copy."""
+    transfers: list[TransferTiming] = field(default_factory=list)
+    """The chunk uploads, timed for the profiler (read once the job has finished)."""
 
 
 def upload_stage_weights(
@@ -84,11 +87,13 @@ def upload_stage_weights(
     )
     program = job_program(job, call.shape, len(pieces), bool(buffers), writes_back)
 
-    def upload_chunk(chunk) -> None:
+    def upload_chunk(chunk, timings: list[TransferTiming]) -> None:
+        # Each copy is timed alone: host work between copies is not link time.
         with failure_site(where):
-            for index, first, end in chunk:
+            for (index, first, end), timing in zip(chunk, timings, strict=True):
                 flat = params[uids[index]].detach().view(-1)
-                device.copy_in(flat[first:end], sources[index].reshape(-1)[first:end], stream)
+                with timing.measure():
+                    device.copy_in(flat[first:end], sources[index].reshape(-1)[first:end], stream)
 
     def upload_buffers() -> None:
         with failure_site(f"{name}: buffer upload on device {device!r}"), torch.no_grad():
@@ -96,6 +101,7 @@ def upload_stage_weights(
                 device.copy_in(on_device[uid], host, stream)
 
     copied: Event | None = None
+    transfers: list[TransferTiming] = []
     for op in program.weight_ops:
         if op.kind == UPLOAD_BUFFERS:
             info = OpInfo("upload", f"buffers {name}", job=job.index, op=op.index)
@@ -111,6 +117,10 @@ def upload_stage_weights(
         info = OpInfo(
             "upload", f"weights {name}", nbytes, job=job.index, op=op.index, pageable=pageable
         )
-        stream.submit(functools.partial(upload_chunk, chunk), info)
+        timings = [TransferTiming(device, "h2d") for _ in chunk]
+        for timing, (i, first, end) in zip(timings, chunk, strict=True):
+            timing.nbytes = (end - first) * sources[i].element_size()
+        transfers += timings
+        stream.submit(functools.partial(upload_chunk, chunk, timings), info)
         copied = stream.record()
-    return program, StageWeights(Slot((params, on_device)), stream.record())
+    return program, StageWeights(Slot((params, on_device)), stream.record(), transfers)

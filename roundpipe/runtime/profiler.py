@@ -5,19 +5,58 @@ layer's kernels). A backward stage's backward is one autograd call, so its time 
 shared among its layers in proportion to their forward times. Before a layer has
 been measured its times are estimated from its parameter count (backward = 2x
 forward).
+
+The link is measured from the transfers the runtime already does (weight-chunk
+uploads, activation and gradient downloads), timed on their streams like compute:
+host→device and device→host bandwidth, smoothed the same way, and the mean size of
+one microbatch's activation at a stage boundary. :meth:`LayerProfiler.cost_model`
+hands all of it to the partitioner; until a direction is measured its bandwidth is
+infinite and activation hops are free.
 """
 
 from __future__ import annotations
 
+import contextlib
+import math
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 from torch import nn
 
-from ..sim.costs import LayerCosts
+from ..devices import Device
+from ..sim.costs import CostModel, LayerCosts
 
 _ESTIMATE_SECONDS_PER_PARAM = 1e-9
 _ESTIMATE_FLOOR_SECONDS = 1e-6
+MIN_TIMED_BYTES = 64 * 2**10
+"""Transfers smaller than this are not timed for bandwidth: latency would pass for it."""
+LINKS = ("h2d", "d2h")
+
+
+class TransferTiming:
+    """One transfer op's device time and bytes. :meth:`measure` runs inside the op (which
+    also sets ``nbytes``); the profiler reads the timer only after the op completed."""
+
+    def __init__(self, device: Device, link: str, boundary: bool = False) -> None:
+        self.link = link
+        self.boundary = boundary
+        """The transfer is one microbatch's activation at a stage boundary."""
+        self.nbytes = 0
+        self._device = device
+        self._timer = None
+
+    @contextlib.contextmanager
+    def measure(self) -> Iterator[None]:
+        if self.nbytes < MIN_TIMED_BYTES:  # not timed: saves two events per small copy
+            yield
+            return
+        self._timer = self._device.timer()
+        self._timer.start()
+        yield
+        self._timer.stop()
+
+    def seconds(self) -> float:
+        return self._timer.seconds() if self._timer is not None else 0.0
 
 
 class LayerProfiler:
@@ -35,6 +74,9 @@ class LayerProfiler:
         self._seconds: dict[str, list[float | None]] = {
             kind: [None] * len(param_counts) for kind in ("forward", "recompute", "backward")
         }
+        self._bandwidth: dict[str, float | None] = dict.fromkeys(LINKS)
+        self._boundary_total = 0
+        self._boundary_count = 0
 
     @classmethod
     def for_modules(cls, modules: Sequence[nn.Module]) -> LayerProfiler:
@@ -65,6 +107,40 @@ class LayerProfiler:
                 value = seconds * share
                 old = series[layer]
                 series[layer] = value if old is None else old + self.smoothing * (value - old)
+
+    def record_transfer(self, link: str, nbytes: int, seconds: float) -> None:
+        """Add one timed transfer of ``nbytes`` over ``link`` ("h2d" or "d2h")."""
+        if link not in self._bandwidth or nbytes < MIN_TIMED_BYTES or seconds <= 0:
+            return
+        value = nbytes / seconds
+        with self._lock:
+            old = self._bandwidth[link]
+            self._bandwidth[link] = value if old is None else old + self.smoothing * (value - old)
+
+    def record_boundary(self, nbytes: int) -> None:
+        """Add one microbatch's activation size seen at a stage boundary."""
+        with self._lock:
+            self._boundary_total += nbytes
+            self._boundary_count += 1
+
+    def record_timing(self, timing: TransferTiming) -> None:
+        """Add a completed transfer op's measurements."""
+        if timing.boundary:
+            self.record_boundary(timing.nbytes)
+        self.record_transfer(timing.link, timing.nbytes, timing.seconds())
+
+    def bandwidth(self, link: str) -> float:
+        """Measured bytes/s of ``link`` ("h2d" or "d2h"); infinite until measured."""
+        with self._lock:
+            measured = self._bandwidth[link]
+        return measured if measured is not None else math.inf
+
+    def boundary_bytes(self) -> int:
+        """Mean bytes of one microbatch's activation at a stage boundary (0: none seen)."""
+        with self._lock:
+            if not self._boundary_count:
+                return 0
+            return round(self._boundary_total / self._boundary_count)
 
     def _forward_shares(self, layers: Sequence[int]) -> list[float]:
         forward = self.forward_seconds()
@@ -98,4 +174,19 @@ class LayerProfiler:
             backward=tuple(backward),
             param_bytes=tuple(self.param_bytes),
             recompute=tuple(recompute),
+            boundary_bytes=self.boundary_bytes(),
+        )
+
+    def cost_model(self, weight_chunk_bytes: int | None) -> CostModel:
+        """:meth:`costs` with the measured link: an activation hop (device → host →
+        device) costs its download plus its upload; weights upload at the measured
+        host→device bandwidth in chunks of ``weight_chunk_bytes``."""
+        h2d, d2h = self.bandwidth("h2d"), self.bandwidth("d2h")
+        boundary = self.boundary_bytes()
+        return CostModel(
+            self.costs(),
+            comm=boundary / d2h + boundary / h2d,
+            h2d_bandwidth=h2d,
+            d2h_bandwidth=d2h,
+            weight_chunk_bytes=weight_chunk_bytes,
         )

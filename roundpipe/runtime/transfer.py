@@ -86,6 +86,11 @@ def _unique_tensors(tree: Any) -> list[torch.Tensor]:
     return list(seen.values())
 
 
+def tree_bytes(tree: Any) -> int:
+    """Bytes of the unique tensors of ``tree`` (from their metadata: no device sync)."""
+    return sum(t.numel() * t.element_size() for t in _unique_tensors(tree))
+
+
 def grads_of_inputs(inputs: Any) -> list[torch.Tensor | None]:
     """Gradients of the unique tensors of ``inputs`` (None where there is none)."""
     return [t.grad if t.requires_grad else None for t in _unique_tensors(inputs)]

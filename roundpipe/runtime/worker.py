@@ -171,9 +171,10 @@ class DeviceWorker:
         call, job = record.call, record.job
         error = record.error
         timings: list = []
+        transfers: list = []
         if error is None:
             issuer = JobIssuer(self, call, job, record.program, record.weights)
-            timings = issuer.timings
+            timings, transfers = issuer.timings, issuer.transfers
             try:
                 issuer.issue()
             except BaseException as exc:  # noqa: BLE001 - handed to the call
@@ -181,9 +182,11 @@ class DeviceWorker:
         if error is not None:
             call.fail_outputs(job, error)
             self.open_buffer_gates(call, job)
-        self._finish(record, error, timings)
+        self._finish(record, error, timings, transfers)
 
-    def _finish(self, record: DeviceJob, error: BaseException | None, timings: list) -> None:
+    def _finish(
+        self, record: DeviceJob, error: BaseException | None, timings: list, transfers: list
+    ) -> None:
         call, job = record.call, record.job
         try:
             ends = [stream.record() for stream in self.device.streams.values()]
@@ -195,6 +198,8 @@ class DeviceWorker:
             if error is None:
                 for kind, layers, timer in timings:
                     self.profiler.record(kind, layers, timer.seconds())
+                for transfer in transfers:
+                    self.profiler.record_timing(transfer)
             call.latch.finish(job.index, error)
 
         self.after(ends, done, on_error=lambda exc: call.latch.finish(job.index, error or exc))
