@@ -56,6 +56,11 @@ class PlanBounds:
             self._work.append(spent / num_devices)
         self.floor = min(self.fused_floor(f) for f in range(1, self.n + 1))
 
+    @property
+    def least_work(self) -> float:
+        """The work bound of the plan with the least compute (the largest fused stage)."""
+        return min(self._work)
+
     def of(self, plan: Plan) -> float:
         """No schedule of ``plan`` has a shorter steady-state iteration."""
         stages = []

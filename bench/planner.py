@@ -1,0 +1,134 @@
+"""How fast the automatic planner is, and how good its plans are (the planner issue).
+
+Speed: ``auto_plan`` on deep uniform models (a 32B-like layer: 20 ms forward per
+microbatch, 975 MB of weights over a 25 GB/s link) for 64 and 200 layers on 8
+devices. Quality, on the randomised profiles of ``roundpipe.sim.profiles`` (fixed
+seeds): the automatic plan's steady-state iteration time against the paper's greedy
+rule and against the best plan with equal-size stages (every fused size f and stage
+size k, searched exhaustively with the lower bounds of ``roundpipe.sim.bounds``:
+a plan whose bound is above the incumbent cannot win), and its isolated iteration
+(one iteration from idle) against the compute lower bound: the first layer's weight
+upload and first forward, then the least total compute over N.
+
+    .venv/bin/python bench/planner.py [--profiles 20] [--json] [--skip-speed]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+from roundpipe.partition import (
+    auto_plan,
+    equal_size_plans,
+    paper_greedy_plan,
+    predict_iteration_time,
+)
+from roundpipe.sim.bounds import PlanBounds
+from roundpipe.sim.costs import CostModel, LayerCosts
+from roundpipe.sim.profiles import random_profile
+from roundpipe.sim.roundpipe_schedule import simulate_roundpipe
+
+SPEED_CASES = ((28, 4, 8), (64, 8, 8), (64, 8, 16), (200, 8, 16))
+
+
+def deep_model(layers: int) -> CostModel:
+    forward, weights = 0.02, int(975e6)
+    costs = LayerCosts(
+        (0.0, *[forward] * layers, 0.03),
+        (0.0, *[2 * forward] * layers, 0.06),
+        (int(1.5e9), *[weights] * layers, int(1.5e9)),
+    )
+    return CostModel(costs, comm=0.0017, h2d_bandwidth=25e9, d2h_bandwidth=25e9)
+
+
+def speed(as_json: bool) -> None:
+    for layers, devices, micro in SPEED_CASES:
+        costs = deep_model(layers)
+        start = time.perf_counter()
+        plan = auto_plan(costs, devices, micro, round_size=micro)
+        seconds = time.perf_counter() - start
+        row = {"layers": layers, "devices": devices, "microbatches": micro}
+        row |= {"plan_s": round(seconds, 3), "plan": str(plan)}
+        print(json.dumps(row) if as_json else _speed_line(row), flush=True)
+
+
+def _speed_line(row: dict) -> str:
+    return (
+        f"auto_plan {row['layers']:3d} layers, {row['devices']} devices, "
+        f"{row['microbatches']:2d} microbatches: {row['plan_s']:6.2f} s"
+    )
+
+
+def best_equal_size(costs, devices: int, micro: int, incumbent: float) -> float:
+    bounds = PlanBounds(costs, devices, micro, round_size=micro)
+    best = incumbent
+    for plan in sorted(equal_size_plans(costs.layers.num_layers), key=bounds.of):
+        if bounds.of(plan) >= best:
+            break
+        best = min(best, predict_iteration_time(plan, costs, devices, micro, round_size=micro))
+    return best
+
+
+def isolated_bound(costs: CostModel, devices: int, micro: int) -> float:
+    layers = costs.layers
+    bounds = PlanBounds(costs, devices, micro, round_size=micro)
+    least_work = bounds.least_work
+    first = costs.upload_time(layers.param_bytes[0]) + layers.forward[0]
+    return first + least_work - layers.forward[0] / devices
+
+
+def quality(count: int, as_json: bool) -> None:
+    rows = []
+    for seed in range(count):
+        profile = random_profile(seed)
+        costs, devices, micro = profile.costs, profile.num_devices, profile.num_microbatches
+
+        def steady(plan, costs=costs, devices=devices, micro=micro) -> float:
+            return predict_iteration_time(plan, costs, devices, micro, round_size=micro)
+
+        start = time.perf_counter()
+        plan = auto_plan(costs, devices, micro, round_size=micro)
+        seconds = time.perf_counter() - start
+        auto = steady(plan)
+        greedy = steady(paper_greedy_plan(costs.layers))
+        equal = best_equal_size(costs, devices, micro, auto * (1 + 1e-9))
+        alone = simulate_roundpipe(plan, costs, devices, micro, round_size=micro).makespan
+        row = {
+            "seed": seed,
+            "layers": costs.layers.num_layers - 1,
+            "devices": devices,
+            "microbatches": micro,
+            "plan_s": round(seconds, 3),
+            "auto_vs_greedy": round(auto / greedy, 4),
+            "auto_vs_equal_size": round(auto / equal, 4),
+            "isolated_vs_bound": round(alone / isolated_bound(costs, devices, micro), 4),
+        }
+        rows.append(row)
+        print(json.dumps(row) if as_json else row, flush=True)
+    if not as_json:
+        for key in ("plan_s", "auto_vs_greedy", "auto_vs_equal_size", "isolated_vs_bound"):
+            values = [row[key] for row in rows]
+            print(
+                f"{key:20s} median {statistics.median(values):.3f}  max {max(values):.3f}  "
+                f"min {min(values):.3f}"
+            )
+        losses = sum(row["auto_vs_equal_size"] > 1 + 1e-6 for row in rows)
+        print(f"profiles where an equal-size plan beats the automatic one: {losses}/{len(rows)}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--profiles", type=int, default=20)
+    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--skip-speed", action="store_true")
+    args = parser.parse_args()
+    if not args.skip_speed:
+        speed(args.json)
+    quality(args.profiles, args.json)
+
+
+if __name__ == "__main__":
+    main()
