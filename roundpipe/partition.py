@@ -185,6 +185,8 @@ class _Search:
         # (packing under a time cap, then rebalancing, can miss it on a tight budget).
         finest = Plan((1,) * (self.n - 1), (1,) * self.n)
         rules = [finest, paper_greedy_plan(self.costs.layers)]
+        # hand-tuned: every stage, the fused one too, of the same size
+        rules += [_equal_size(self.n, size, size) for size in range(2, self.n // 2 + 1)]
         for plan in rules:
             if plan not in seen and self._fits(plan):
                 seen.add(plan)
@@ -243,10 +245,14 @@ def equal_size_plans(num_layers: int) -> Iterator[Plan]:
     """Hand-tuned plans: a fused stage of ``f`` layers, every other stage of ``k`` (the
     last forward and the last backward stage take the remainder), for every f and k."""
     for fused in range(1, num_layers):
-        rest = num_layers - fused
-        for size in range(1, rest + 1):
-            stages = (size,) * (rest // size) + ((rest % size,) if rest % size else ())
-            yield Plan(stages, (fused, *stages[::-1]))
+        for size in range(1, num_layers - fused + 1):
+            yield _equal_size(num_layers, fused, size)
+
+
+def _equal_size(num_layers: int, fused: int, size: int) -> Plan:
+    rest = num_layers - fused
+    stages = (size,) * (rest // size) + ((rest % size,) if rest % size else ())
+    return Plan(stages, (fused, *stages[::-1]))
 
 
 def paper_greedy_plan(layers: LayerCosts, slack: float = 1.1) -> Plan:
