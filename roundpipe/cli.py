@@ -9,7 +9,9 @@ Two modes of ``simulate``:
 - model-level: ``--model Qwen3-8B`` (or ``--config config.json``) with ``--gpu
   rtx4090 --seq-len 4096 --batch 16`` predicts tokens/s, per-GPU memory and host RAM,
   and whether each fits (``--lora R``, ``--precision``, ``--pcie``, ``--host-ram``,
-  ``--host-bandwidth``); ``--max-seq-len`` answers only the longest sequence that fits.
+  ``--host-bandwidth``); ``--max-seq-len`` answers only the longest sequence that fits;
+  ``--nodes K --network-gbps G`` predicts RoundPipe on K such boxes (data parallel,
+  :mod:`roundpipe.predict_nodes`), ``--scaling`` for K = 1, 2, 4, ... 64.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from .model_specs import MODEL_PRESETS, ModelSpec, model_preset
 from .partition import auto_plan
 from .plan import Plan, PlanError
 from .predict import DEFAULT_HOST_BANDWIDTH, Prediction, Workload, max_seq_len, predict
+from .predict_nodes import GRAD_BYTES, Network, NodesPrediction, predict_nodes, scaling_table
 from .sim.baselines import BASELINES, simulate_baseline
 from .sim.costs import CostModel, LayerCosts
 from .sim.result import SimResult
@@ -106,6 +109,19 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="only the longest sequence that fits at batch 1 (layer recompute)",
     )
+    nodes = sim.add_argument_group(
+        "across nodes (model-level, RoundPipe only)",
+        "Data parallelism over K boxes of --gpus GPUs; --batch is the global batch and "
+        "must be a multiple of K.",
+    )
+    nodes.add_argument("--nodes", type=int, metavar="K", help="boxes joined by a network")
+    nodes.add_argument(
+        "--network-gbps", type=float, default=100.0, help="Gb/s per node, full duplex"
+    )
+    nodes.add_argument(
+        "--grad-reduce-dtype", choices=tuple(GRAD_BYTES), default="fp32", help="gradient wire dtype"
+    )
+    nodes.add_argument("--scaling", action="store_true", help="table for K = 1, 2, 4, ... 64")
     sim.set_defaults(run=_simulate)
     add_train_parser(commands)
     return parser
@@ -206,6 +222,8 @@ def _predict(args: argparse.Namespace) -> int:
             print(f"{spec.name} on {gpu.name}: up to {longest} tokens at batch 1")
         return 0
     host_ram = int(args.host_ram * 1e9) if args.host_ram else _machine_ram()
+    if args.nodes is not None or args.scaling:
+        return _predict_nodes(args, spec, gpu, work, host_ram)
     predictions = predict(spec, gpu, work, args.gpus, schedules=names, host_ram=host_ram)
     if not args.json:
         active = f", {spec.active_params / 1e9:.2f}B active" if spec.is_moe else ""
@@ -217,6 +235,38 @@ def _predict(args: argparse.Namespace) -> int:
     for prediction in predictions:
         _print_prediction(prediction, args.json)
     return 0
+
+
+def _predict_nodes(args, spec: ModelSpec, gpu, work: Workload, host_ram: int) -> int:
+    nodes = 1 if args.nodes is None else args.nodes
+    network = Network(nodes, args.network_gbps, args.grad_reduce_dtype)
+    if args.scaling:
+        rows = scaling_table(spec, gpu, work, args.gpus, network, host_ram)
+    else:
+        rows = [predict_nodes(spec, gpu, work, args.gpus, network, host_ram)]
+    if not args.json:
+        print(
+            f"{spec.name} on nodes of {args.gpus}x {gpu.name} ({args.precision}), "
+            f"{args.network_gbps:g} Gb/s, {args.grad_reduce_dtype} gradient reduction, "
+            f"seq {args.seq_len}, global batch {args.batch}"
+        )
+    for row in rows:
+        _print_nodes(row, args.json)
+    return 0
+
+
+def _print_nodes(p: NodesPrediction, as_json: bool) -> None:
+    if as_json:
+        print(json.dumps(p.to_dict()))
+        return
+    host = (
+        "" if p.host_ram_per_node is None else f"  host RAM/node {p.host_ram_per_node / 1e9:.1f} GB"
+    )
+    print(
+        f"{p.nodes:3d} nodes {p.tokens_per_s:9.0f} tokens/s  efficiency {p.scaling_efficiency:6.1%}"
+        f"  iteration {p.iteration_time:6.2f} s  comm {p.comm_time:6.2f} s"
+        f" ({p.exposed_comm:.2f} s exposed){host}"
+    )
 
 
 def _read_config(path: Path) -> dict:
@@ -245,6 +295,8 @@ def _validate(args: argparse.Namespace) -> None:
         "--lora": args.lora,
         "--host-ram": args.host_ram,
         "--host-bandwidth": args.host_bandwidth,
+        "--nodes": args.nodes,
+        "--network-gbps": args.network_gbps,
     }
     for flag, value in positive.items():
         if value is not None and value <= 0:

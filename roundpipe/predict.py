@@ -27,6 +27,8 @@ Assumptions, stated:
   copies, the weights' two versions, fp32 master, fp32 gradient, Adam m and v), a
   half copy of each frozen one, the saved stage inputs of a round. Baselines keep
   weights, gradients and fp32 Adam state on their GPUs (Megatron-PP style).
+- ``optimizer_shards`` K (``--nodes``, :mod:`.predict_nodes`): each host steps 1/K of
+  the masters, so the step's time and the masters' and Adam state's RAM fall K-fold.
 - ``--lora R``: the base is frozen (no masters, Adam state, base gradients or their
   downloads); the adapters (:mod:`.model_specs`) train.
 - A GPU's usable memory is ``MEMORY_HEADROOM`` of it (CUDA context, allocator), the
@@ -40,6 +42,7 @@ from dataclasses import dataclass
 from .gpus import PCIE_BANDWIDTH, Gpu
 from .model_specs import MODEL_PRESETS, ModelSpec, model_preset
 from .partition import auto_plan
+from .plan import Plan
 from .sim.baselines import BASELINES, simulate_baseline
 from .sim.costs import CostModel, LayerCosts
 from .sim.roundpipe_schedule import steady_iteration_time
@@ -52,6 +55,9 @@ ROUND_PER_GPU = 4
 ADAM_BYTES = 34  # read grad, master, m, v; write master, m, v, half weights; zero grad
 GRAD_ACCUMULATE_BYTES = 10  # read the half gradient and the fp32 sum, write the sum
 HOST_BYTES_TRAINABLE = 20
+SHARDED_HOST_BYTES = 12
+"""Of ``HOST_BYTES_TRAINABLE``, the fp32 master and Adam m and v: what ``optimizer_shards``
+hosts split (the fp32 gradient stays whole: rounds accumulate into all of it)."""
 DEVICE_OPTIMIZER_RATIO = 6.0  # fp32 master + m + v (12 B) per half-precision weight (2 B)
 MEMORY_HEADROOM = 0.9
 DEFAULT_HOST_BANDWIDTH = 200e9
@@ -75,6 +81,8 @@ class Workload:
     """PCIe generation (default: the GPU's)."""
     round_size: int | None = None
     """Microbatches per round (default ``ROUND_PER_GPU`` per GPU, at most the batch)."""
+    optimizer_shards: int = 1
+    """Hosts that each step 1/K of the masters (nodes of data parallelism)."""
 
     def round_microbatches(self, num_gpus: int) -> int:
         return min(self.num_microbatches, self.round_size or ROUND_PER_GPU * num_gpus)
@@ -162,20 +170,13 @@ def predict(
     predictions = []
     for name in schedules:
         if name == "roundpipe":
-            plan = auto_plan(
-                costs,
-                num_gpus,
-                sim_microbatches,
-                [budget] * num_gpus,
-                round_size=sim_microbatches,
-                refine=False,
-            )
+            plan = roundpipe_plan(costs, gpu, num_gpus, sim_microbatches)
             sim_time = steady_iteration_time(
                 plan, costs, num_gpus, sim_microbatches, round_size=sim_microbatches
             )
             host_time = host_round_time(model, work, num_gpus, sim_microbatches)
             peak = _roundpipe_peak(costs, plan)
-            host = _host_bytes(model, plan, sim_microbatches, costs.layers.boundary_bytes)
+            host = _host_bytes(model, work, plan, sim_microbatches, costs.layers.boundary_bytes)
             detail = f"plan {plan}, rounds of {sim_microbatches} microbatches"
             if host_time > sim_time:
                 detail += (
@@ -213,6 +214,19 @@ def predict(
     return predictions
 
 
+def roundpipe_plan(costs: CostModel, gpu: Gpu, num_gpus: int, sim_microbatches: int) -> Plan:
+    """The automatic plan, unrefined, for rounds of ``sim_microbatches``."""
+    budget = int(gpu.memory_bytes * MEMORY_HEADROOM)
+    return auto_plan(
+        costs,
+        num_gpus,
+        sim_microbatches,
+        [budget] * num_gpus,
+        round_size=sim_microbatches,
+        refine=False,
+    )
+
+
 def cost_model(
     model: _Model, gpu: Gpu, work: Workload, num_gpus: int, sim_microbatches: int
 ) -> CostModel:
@@ -230,7 +244,7 @@ def cost_model(
         boundary_bytes=boundary,
     )
     # the step streams its bytes at the host's bandwidth, once per whole batch
-    step = model.trainable * ADAM_BYTES / work.host_bandwidth
+    step = model.trainable * ADAM_BYTES / work.host_bandwidth / work.optimizer_shards
     return CostModel(
         layers=layers,
         comm=2 * boundary / pcie,
@@ -248,6 +262,7 @@ def host_round_time(model: _Model, work: Workload, num_gpus: int, round_size: in
     hops = round_size * 2 * (2 * num_gpus) * boundary  # both ways, forward and backward
     weights = 2 * model.upload_bytes + model.trainable * (HALF + GRAD_ACCUMULATE_BYTES)
     step = model.trainable * ADAM_BYTES * round_size / work.num_microbatches
+    step /= work.optimizer_shards
     return (hops + weights + step) / work.host_bandwidth
 
 
@@ -296,6 +311,8 @@ def _roundpipe_peak(costs: CostModel, plan) -> int:
     return int(max(peaks))
 
 
-def _host_bytes(model: _Model, plan, round_microbatches: int, boundary: int) -> int:
+def _host_bytes(model: _Model, work: Workload, plan, round_microbatches: int, boundary: int) -> int:
     saved_inputs = (len(plan.backward) - 1) * round_microbatches * boundary
-    return model.trainable * HOST_BYTES_TRAINABLE + model.frozen * HALF + saved_inputs
+    whole = model.trainable * (HOST_BYTES_TRAINABLE - SHARDED_HOST_BYTES)
+    sharded = -(-model.trainable * SHARDED_HOST_BYTES // work.optimizer_shards)
+    return whole + sharded + model.frozen * HALF + saved_inputs
