@@ -116,13 +116,7 @@ class RoundPipe(Checkpoints, FromHuggingFace, nn.Module):
         choice for the measured per-layer times (size-based estimates before the first
         measurements), chosen again only when the measurements move materially.
         """
-        pinned = self.run_config.execute_plan
-        if isinstance(pinned, Plan):
-            return pinned.validate(self.num_layers)
-        config = self.run_config
-        return self.planner.current(
-            len(self.pool), self._microbatch_count(config), config.weight_chunk_bytes
-        )
+        return self._plan_for(self.run_config, count_call=False)
 
     def extra_repr(self) -> str:
         return f"devices={self.pool!r}, plan={self.plan}"
@@ -377,12 +371,11 @@ class RoundPipe(Checkpoints, FromHuggingFace, nn.Module):
     def _microbatch_count(self, config: RoundPipeRunConfig) -> int:
         return config.num_microbatch or len(self.pool) + 1
 
-    def _plan_for(self, config: RoundPipeRunConfig) -> Plan:
+    def _plan_for(self, config: RoundPipeRunConfig, count_call: bool = True) -> Plan:
         if isinstance(config.execute_plan, Plan):
             return config.execute_plan.validate(self.num_layers)
-        return self.planner.plan(
-            len(self.pool), self._microbatch_count(config), config.weight_chunk_bytes
-        )
+        choose = self.planner.plan if count_call else self.planner.current
+        return choose(len(self.pool), self._microbatch_count(config), config.weight_chunk_bytes)
 
     def _own_inputs(self, config, args: tuple, kwargs: dict, label: Any, num: int):
         """Per-microbatch copies of the inputs and labels, and the buffers they use."""
