@@ -1,5 +1,5 @@
 """The automatic plan against hand-tuned plans on 50 randomised profiles (slow: about
-ten minutes on two cores; run with ``scripts/test.sh -m slow``).
+14 minutes on two cores; run with ``scripts/test.sh -m slow``).
 
 For each profile of ``roundpipe.sim.profiles`` (fixed seeds) the automatic plan's
 simulated steady-state iteration time must not exceed the paper's greedy rule's, and
