@@ -19,9 +19,9 @@ from roundpipe.partition import (
     predict_iteration_time,
 )
 from roundpipe.plan import Plan
-from roundpipe.sim import roundpipe_schedule as rs
 from roundpipe.sim.bounds import PlanBounds
 from roundpipe.sim.costs import CostModel, LayerCosts
+from roundpipe.sim.rounds import Config, Simulation
 
 
 def _profile(rng: random.Random, layers: int) -> CostModel:
@@ -62,8 +62,8 @@ def test_no_plan_runs_faster_than_its_bound(seed: int) -> None:
     # a random plan, and a good one (close to its bounds, so a bound too high shows)
     good = auto_plan(costs, devices, micro, round_size=round_size, refine=False)
     for plan in (_random_plan(rng, costs.layers.num_layers), good):
-        config = rs._Config(plan, costs, devices, round_size, is_async, record=False)
-        ends = rs._Simulation(config).iteration_ends(micro, 20)
+        config = Config(plan, costs, devices, round_size, is_async, record=False)
+        ends = Simulation(config).iteration_ends(micro, 20)
         long_run = (ends[-1] - ends[7]) / 12
         assert bounds.of(plan) <= long_run * (1 + 1e-9)
         assert bounds.floor <= bounds.fused_floor(plan.backward[0]) <= bounds.of(plan)
@@ -109,8 +109,8 @@ def test_the_loss_chain_bounds_a_pipeline_whose_head_dominates(devices: int) -> 
     costs = CostModel(LayerCosts.uniform(6, 1.0, 2.0, 30.0, 60.0), comm=0.5)
     plan = Plan((2, 2, 2), (1, 2, 2, 2))
     bounds = PlanBounds(costs, devices, 8, round_size=8)
-    config = rs._Config(plan, costs, devices, 8, True, record=False)
-    ends = rs._Simulation(config).iteration_ends(8, 12)
+    config = Config(plan, costs, devices, 8, True, record=False)
+    ends = Simulation(config).iteration_ends(8, 12)
     long_run = (ends[-1] - ends[3]) / 8
     assert bounds.of(plan) <= long_run * (1 + 1e-9)
     assert bounds.of(plan) >= 0.9 * long_run  # the head's 8 x 90 s are most of it

@@ -13,9 +13,9 @@ import random
 import pytest
 
 from roundpipe.plan import Plan
-from roundpipe.sim import roundpipe_schedule as rs
 from roundpipe.sim.costs import CostModel, LayerCosts
 from roundpipe.sim.roundpipe_schedule import steady_iteration_time
+from roundpipe.sim.rounds import Config, Simulation
 
 LONG_RUN = 24
 
@@ -54,8 +54,8 @@ def _case(seed: int):
 @pytest.mark.parametrize("seed", range(40))
 def test_steady_iteration_time_agrees_with_a_long_run(seed: int) -> None:
     plan, costs, devices, micro, round_size, is_async = _case(seed)
-    config = rs._Config(plan, costs, devices, round_size, is_async, record=False)
-    ends = rs._Simulation(config).iteration_ends(micro, LONG_RUN)
+    config = Config(plan, costs, devices, round_size, is_async, record=False)
+    ends = Simulation(config).iteration_ends(micro, LONG_RUN)
     long_run = (ends[-1] - ends[-5]) / 4
     if is_async:
         long_run = max(long_run, costs.optimizer_time)

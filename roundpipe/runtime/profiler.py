@@ -104,18 +104,18 @@ class LayerProfiler:
         with self._lock:
             series = self._seconds[kind]
             for layer, share in zip(layers, shares, strict=True):
-                value = seconds * share
-                old = series[layer]
-                series[layer] = value if old is None else old + self.smoothing * (value - old)
+                series[layer] = self._smooth(series[layer], seconds * share)
 
     def record_transfer(self, link: str, nbytes: int, seconds: float) -> None:
         """Add one timed transfer of ``nbytes`` over ``link`` ("h2d" or "d2h")."""
         if link not in self._bandwidth or nbytes < MIN_TIMED_BYTES or seconds <= 0:
             return
-        value = nbytes / seconds
         with self._lock:
-            old = self._bandwidth[link]
-            self._bandwidth[link] = value if old is None else old + self.smoothing * (value - old)
+            self._bandwidth[link] = self._smooth(self._bandwidth[link], nbytes / seconds)
+
+    def _smooth(self, old: float | None, value: float) -> float:
+        """The exponentially smoothed series after ``value`` (the first value as is)."""
+        return value if old is None else old + self.smoothing * (value - old)
 
     def record_boundary(self, nbytes: int) -> None:
         """Add one microbatch's activation size seen at a stage boundary."""

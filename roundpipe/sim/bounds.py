@@ -22,8 +22,12 @@ the chain bound with every stage of one layer), for a given fused-stage size or 
 
 from __future__ import annotations
 
+from functools import cached_property
+from itertools import accumulate
+
 from ..plan import Plan
 from .costs import CostModel
+from .rounds import round_sizes
 
 
 class PlanBounds:
@@ -39,22 +43,21 @@ class PlanBounds:
         layers = costs.layers
         self.n = layers.num_layers
         self.comm = costs.comm
-        full, rest = divmod(num_microbatches, round_size or num_devices)
-        self.rounds = [round_size or num_devices] * full + ([rest] if rest else [])
+        self.rounds = round_sizes(num_microbatches, round_size or num_devices)
         self.optimizer = costs.optimizer_time if is_async else 0.0
         self.forward = layers.forward
         self.fused_times = [f + b for f, b in zip(layers.forward, layers.backward, strict=True)]
         compute = sum(layers.forward) + sum(layers.backward)
-        self._work: list[float] = []  # by fused size - 1
-        recompute = 0.0
-        recompute_prefix = [0.0]
-        for r in layers.recompute:
-            recompute += r
-            recompute_prefix.append(recompute)
-        for fused in range(1, self.n + 1):
-            spent = num_microbatches * (compute + recompute_prefix[self.n - fused])
-            self._work.append(spent / num_devices)
-        self.floor = min(self.fused_floor(f) for f in range(1, self.n + 1))
+        recompute_prefix = list(accumulate(layers.recompute, initial=0.0))
+        self._work = [  # by fused size - 1
+            num_microbatches * (compute + recompute_prefix[self.n - fused]) / num_devices
+            for fused in range(1, self.n + 1)
+        ]
+
+    @cached_property
+    def floor(self) -> float:
+        """The least bound of any plan (quadratic in the layers: only the search needs it)."""
+        return min(self.fused_floor(f) for f in range(1, self.n + 1))
 
     @property
     def least_work(self) -> float:

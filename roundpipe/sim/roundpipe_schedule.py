@@ -136,6 +136,3 @@ def _gc_paused():
     finally:
         if enabled:
             gc.enable()
-
-
-_Config, _Simulation = Config, Simulation  # the names tests reach for
