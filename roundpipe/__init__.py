@@ -5,6 +5,7 @@ a pool of stateless devices (see DESIGN.md). Importing this package starts no
 thread and touches no device.
 """
 
+from .cluster import CommOptions, PeerFailure
 from .config import RoundPipeRunConfig
 from .devices import DevicePool, EmulatedDevicePool, EmulatedOptions, OpInfo, make_pool
 from .errors import RoundPipeError
@@ -13,12 +14,14 @@ from .plan import Plan, PlanError
 from .schedule import Job, JobKind, Schedule, lower
 
 __all__ = [
+    "CommOptions",
     "DevicePool",
     "EmulatedDevicePool",
     "EmulatedOptions",
     "Job",
     "JobKind",
     "OpInfo",
+    "PeerFailure",
     "Plan",
     "PlanError",
     "RoundPipe",

@@ -10,22 +10,24 @@ time; a second thread driving it at once gets a clear error.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import time
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 
+from . import cluster
 from .checkpoint import Checkpoints
+from .cluster import CommOptions
 from .config import RoundPipeRunConfig, checked_run_config
 from .devices import DevicePool, EmulatedOptions, Slot, make_pool
 from .hf.entry import FromHuggingFace
 from .keys import Activation, InputGrad, Loss, Output
 from .microbatch import merge_outputs
+from .param_views import ParameterViews
 from .plan import Plan
 from .runtime import optimizer_guard
 from .runtime.call import AutocastState, Call
@@ -38,18 +40,27 @@ from .runtime.profiler import LayerProfiler
 from .runtime.session import Session
 from .runtime.sync import Handoff, wait_future
 from .schedule import Schedule, lower, lower_unfused
-from .timeline import Timeline
+from .timeline import HOST, Span, Timeline
 
 PIN_MODES = ("auto", "alloc", "register", "off")
 
 
-class RoundPipe(Checkpoints, FromHuggingFace, nn.Module):
+class RoundPipe(Checkpoints, FromHuggingFace, ParameterViews, nn.Module):
     """Train ``model`` (each entry of an ``nn.Sequential`` is one layer) on a device pool.
 
     >>> model = RoundPipe(nn.Sequential(...), devices="emulated:4")
     >>> opt = torch.optim.Adam(model.optim_parameters())
     >>> loss = model.forward_backward((x,), label=y, loss_fn=nn.functional.cross_entropy)
     >>> model.step(lambda: (opt.step(), opt.zero_grad()))
+
+    Across nodes (one process per node, ``torch.distributed`` initialised, e.g. by
+    ``torchrun``): ``process_group`` (default: the world group when initialised) turns
+    on data parallelism over its ranks; every rank wraps the same model and calls
+    with its share of the global batch. Each node keeps the masters, gradients and
+    optimizer state of its share of the parameters (``optim_parameters()``), gradients
+    are summed across nodes (averaged with ``grad_reduction="mean"``), and
+    ``comm_options`` (:class:`~roundpipe.cluster.CommOptions`) sets the timeout and
+    bucket size. See :mod:`roundpipe.cluster`.
     """
 
     def __init__(
@@ -62,6 +73,9 @@ class RoundPipe(Checkpoints, FromHuggingFace, nn.Module):
         pin_model: str = "auto",
         emulated_options: EmulatedOptions | None = None,
         grad_scaler: torch.amp.GradScaler | None = None,
+        process_group: Any = None,
+        grad_reduction: str = "sum",
+        comm_options: CommOptions | None = None,
         _names_from: nn.Module | None = None,
     ) -> None:
         super().__init__()
@@ -96,6 +110,14 @@ class RoundPipe(Checkpoints, FromHuggingFace, nn.Module):
         # Stops the threads of a model collected without close(); holds no reference to it.
         self._finalizer = weakref.finalize(self, finalize_unclosed, self._session)
         self._finalizer.atexit = False  # the session's own exit hook drains first
+        try:
+            self._node = cluster.attach(
+                self._session, layers, process_group, grad_reduction, comm_options
+            )
+        except BaseException:
+            self._finalizer.detach()
+            self._session.stop_threads()
+            raise
         optimizer_guard.watch(self._session.store)
         capacities = [device.memory_capacity() for device in self.pool]
         self.planner = AutoPlanner(self.profiler, None if None in capacities else capacities)
@@ -138,6 +160,12 @@ class RoundPipe(Checkpoints, FromHuggingFace, nn.Module):
         ``return_outputs``) as soon as the loss is known; the remaining backward
         stages keep running and their gradients accumulate into the master copies.
         The inputs and label are copied at call start: reuse them at once if you like.
+
+        On several nodes (``process_group``), every rank calls it with its share of the
+        global batch and the same number of microbatches, and it returns the loss of
+        the global batch: the sum over the ranks (their mean with
+        ``grad_reduction="mean"``), which the gradients the next ``step`` applies are
+        the gradients of.
         """
         if loss_fn is None:
             raise TypeError("forward_backward needs a loss_fn(outputs, label) -> scalar tensor")
@@ -147,18 +175,25 @@ class RoundPipe(Checkpoints, FromHuggingFace, nn.Module):
         with self._session.enter("forward_backward") as session:
             self._begin(session)
             num = self._microbatch_count(config)
+            if self._node is not None:
+                self._node.check_call(num)
             inputs, labels, owned = self._own_inputs(config, args, kwargs, label, num)
             schedule = lower(self._plan_for(config), len(self.pool), self._cursor)
             call = self._start_call(
                 session, schedule, inputs, labels, config, loss_fn, return_outputs, owned
             )
+            error = None
             try:
                 losses = [call.read(Loss(m)) for m in range(num)]
                 outputs = [call.read(Output(m)) for m in range(num)] if return_outputs else None
+                loss = torch.stack([torch.as_tensor(v).reshape(()).float() for v in losses]).sum()
             except Exception as exc:
-                session.fail(call.latch.wait() or exc)  # the first job that failed
+                error = call.latch.wait() or exc  # the first job that failed
+            if self._node is not None:
+                loss, error = self._node.global_loss(None if error else loss, error)
+            if error is not None:
+                session.fail(error)
             call.returned = True
-        loss = torch.stack([torch.as_tensor(v).reshape(()).float() for v in losses]).sum()
         if not return_outputs:
             return loss
         return loss, (config.merge_output or merge_outputs)(outputs)
@@ -197,15 +232,24 @@ class RoundPipe(Checkpoints, FromHuggingFace, nn.Module):
         """Record every executed device op from now on (see :meth:`timeline`)."""
         self.synchronize()
         self.pool.start_recording()
+        if self._node is not None:
+            self._node.comm.spans = []
         self._timeline_origin = time.perf_counter()
 
     def timeline(self) -> Timeline:
         """Wait for queued work; the ops run since :meth:`start_timeline`, as a Timeline.
 
         Export it with ``save_chrome_trace(path)`` (Perfetto) or ``save_gantt(path)``.
+        On several nodes, the gradient and weight collectives appear as host spans of
+        kind ``"comm"`` on stream ``"network"``.
         """
         self.synchronize()
-        return Timeline.from_records(self.pool.spans(), getattr(self, "_timeline_origin", 0.0))
+        origin = getattr(self, "_timeline_origin", 0.0)
+        timeline = Timeline.from_records(self.pool.spans(), origin)
+        if self._node is not None:
+            for what, start, end in list(self._node.comm.spans or ()):
+                timeline.add(Span(HOST, "network", "comm", what, start - origin, end - origin))
+        return timeline
 
     # -- inference / plain forward -------------------------------------------------------
 
@@ -265,35 +309,6 @@ class RoundPipe(Checkpoints, FromHuggingFace, nn.Module):
             call.returned = True
 
     # -- parameters ----------------------------------------------------------------------
-
-    def optim_parameters(self) -> Iterator[nn.Parameter]:
-        """The master (optimizer) parameters; build your optimizer over these."""
-        for _, master in self._session.store.masters():
-            yield master
-
-    def optim_named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
-        yield from self._session.store.masters()
-
-    @contextlib.contextmanager
-    def optimizer_ctx(self) -> Iterator[None]:
-        """Inside, ``parameters()`` / ``named_parameters()`` yield the master parameters."""
-        self._optimizer_view += 1
-        try:
-            yield
-        finally:
-            self._optimizer_view -= 1
-
-    OptimizerCtx = optimizer_ctx
-
-    def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
-        if self._optimizer_view:
-            return self.optim_parameters()
-        return super().parameters(recurse)
-
-    def named_parameters(self, *args: Any, **kwargs: Any) -> Iterator[tuple[str, nn.Parameter]]:
-        if self._optimizer_view:
-            return self.optim_named_parameters()
-        return super().named_parameters(*args, **kwargs)
 
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
         """The wrapped model's state dict (same keys), after waiting for queued work."""

@@ -26,6 +26,7 @@ KIND_COLORS: dict[str, str] = {
     "download": "#e45756",
     "optimizer": "#72b7b2",
     "loss": "#eeca3b",
+    "comm": "#79706e",
 }
 _OTHER_COLOR = "#bab0ac"
 

@@ -50,6 +50,7 @@ def train_reference(
     num_microbatch: int,
     make_optimizer: Callable,
     stale: bool = False,
+    loss_fn: Callable = mse_sum,
 ) -> tuple[nn.Module, list[float]]:
     """Train a copy of ``model``; with ``stale``, gradients use the weights one step older."""
     model = copy.deepcopy(model)
@@ -59,7 +60,7 @@ def train_reference(
     for x, y in batches:
         grad_model = previous if stale else model
         grad_model.zero_grad()
-        losses.append(reference_loss_and_grads(grad_model, x, y, num_microbatch).item())
+        losses.append(reference_loss_and_grads(grad_model, x, y, num_microbatch, loss_fn).item())
         snapshot = copy.deepcopy(model)
         for p, g in zip(model.parameters(), grad_model.parameters(), strict=True):
             p.grad = None if g.grad is None else g.grad.clone()

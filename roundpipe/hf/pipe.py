@@ -55,7 +55,7 @@ class HFRoundPipe(RoundPipe):
                 "'labels': ...}) without input_args, label, loss_fn or return_outputs"
             )
         batch = self._checked_batch(input_kwargs, training=True)
-        count = _label_tokens(batch["labels"])
+        count = self._global_label_tokens(batch["labels"])
 
         def mean_over_batch(total: torch.Tensor, _label) -> torch.Tensor:
             return total / count
@@ -63,6 +63,17 @@ class HFRoundPipe(RoundPipe):
         return super().forward_backward(
             input_kwargs=batch, loss_fn=mean_over_batch, run_config=run_config
         )
+
+    def _global_label_tokens(self, labels: torch.Tensor) -> int:
+        """The label tokens of the batch; on several nodes, of every node's batch (the
+        loss is the mean over the global batch's label tokens)."""
+        if self._node is None:
+            return _label_tokens(labels)
+        local = int((labels[:, 1:] != IGNORE_INDEX).sum())
+        count = round(self._node.sum_over_nodes(local, "the label-token count"))
+        if count == 0:
+            _label_tokens(labels)  # raises, on every rank
+        return count
 
     def eval_loss(self, input_kwargs: dict) -> torch.Tensor:
         """Without gradients: the loss ``forward_backward`` would return for this batch
@@ -171,6 +182,11 @@ def from_hf(model, **options) -> HFRoundPipe:
     :class:`HFRoundPipe` whose parameters keep ``model``'s names."""
     is_peft = hasattr(model, "peft_config") and hasattr(model, "get_base_model")
     causal_lm = model.get_base_model() if is_peft else model
+    if options.get("grad_reduction", "sum") != "sum":
+        raise ValueError(
+            "a Hugging Face RoundPipe's loss is already the mean over the global batch's "
+            "label tokens; across nodes its gradients are summed (grad_reduction='sum')"
+        )
     family = family_of(causal_lm)
     pipe = HFRoundPipe(decoder_layers(causal_lm, family), _names_from=model, **options)
     pipe.max_positions = getattr(causal_lm.config, "max_position_embeddings", None)

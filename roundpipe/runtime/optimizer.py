@@ -52,6 +52,8 @@ class OptimizerThread:
         self.store = store
         self.versions = versions
         self.grad_scaler = grad_scaler
+        self.node = None
+        """On several nodes: the :class:`~roundpipe.cluster.NodeSync` a step goes through."""
         self._tasks: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._start_lock = threading.Lock()
@@ -92,6 +94,12 @@ class OptimizerThread:
 
     def _apply(self, task: StepTask) -> BaseException | None:
         """Run the step unless a call before it failed; return ``step_fn``'s error."""
+        if self.node is not None:
+            try:
+                error, _ = self.node.step(task.calls, lambda: self._run_step_fn(task))
+            except BaseException as exc:  # noqa: BLE001 - a collective failed: reported
+                return exc
+            return error
         failed = [call for call in task.calls if call.latch.wait() is not None]
         if failed:
             # The failed calls' errors reach the caller through the calls themselves.
@@ -100,6 +108,9 @@ class OptimizerThread:
                 for call in failed:
                     call.discarded_grads = True
             return None
+        return self._run_step_fn(task)
+
+    def _run_step_fn(self, task: StepTask) -> BaseException | None:
         scale = None
         try:
             with failure_site(f"optimizer step {task.version} (step_fn)"):

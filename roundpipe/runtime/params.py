@@ -31,6 +31,11 @@ class ParamEntry:
             torch.float32 if param.dtype in _HALF_TYPES else param.dtype
         )
         self.master: nn.Parameter | None = None
+        self.owned = True
+        """Whether this node keeps the master (always, but on several nodes: its share)."""
+        self.local_grad: torch.Tensor | None = None
+        """On several nodes: this node's gradient since the last step, before the
+        reduction across nodes adds the sum into the owner's ``master.grad``."""
         self.seen = (param.data_ptr(), param._version)
 
     def externally_modified(self) -> bool:
@@ -69,12 +74,22 @@ class ParameterStore:
             entry.mark_seen()
         self.user_param_ids = frozenset(id(entry.param) for entry in self.entries.values())
         self._grad_lock = threading.Lock()
+        self.sharded = False
+
+    def shard(self, owned: frozenset[int]) -> None:
+        """Keep masters only for the trainable parameters in ``owned`` (uids), and collect
+        every gradient in ``local_grad`` for the reduction across nodes."""
+        for uid, entry in self.entries.items():
+            entry.owned = uid in owned
+            if not entry.owned:
+                entry.master = None
+        self.sharded = True
 
     # -- master copies -------------------------------------------------------------
 
     def ensure_masters(self) -> None:
         for entry in self.entries.values():
-            if entry.trainable and entry.master is None:
+            if entry.trainable and entry.owned and entry.master is None:
                 master = entry.param.detach().to(entry.optim_dtype, copy=True)
                 entry.master = nn.Parameter(master, requires_grad=True)
 
@@ -116,11 +131,15 @@ class ParameterStore:
         from ``x / scale`` in the last bit). The whole update runs under the lock.
         """
         entry = self.entries[uid]
-        assert entry.master is not None
+        assert entry.trainable and (entry.master is not None or self.sharded)
         with self._grad_lock:  # several completer threads may accumulate into one master
-            acc = entry.master.grad
+            acc = entry.local_grad if self.sharded else entry.master.grad
             if acc is None:
-                entry.master.grad = _unscaled_copy(grad, entry.optim_dtype, scale)
+                acc = _unscaled_copy(grad, entry.optim_dtype, scale)
+                if self.sharded:
+                    entry.local_grad = acc
+                else:
+                    entry.master.grad = acc
             elif acc.dtype != entry.optim_dtype or not _flat_pair(acc, grad):
                 acc.add_(_reference_grad(grad, entry.optim_dtype, scale))
             else:
@@ -136,6 +155,15 @@ class ParameterStore:
     def discard_grads(self) -> None:
         for _, master in self.masters():
             master.grad = None
+        for entry in self.entries.values():
+            entry.local_grad = None
+
+    def take_local_grad(self, uid: int) -> torch.Tensor | None:
+        """This node's gradient of ``uid`` since the last step, handed over (sharded)."""
+        entry = self.entries[uid]
+        with self._grad_lock:
+            grad, entry.local_grad = entry.local_grad, None
+        return grad
 
 
 # -- fused gradient accumulation (ParameterStore.accumulate_grad) ---------------------

@@ -159,6 +159,16 @@ class Latch:
         host_wait(self._finished_within)
         return self.error
 
+    def wait_jobs(self, jobs: Iterable[int]) -> None:
+        """Wait until none of ``jobs`` is pending (a job never dispatched is not)."""
+        wanted = set(jobs)
+
+        def finished_within(timeout: float | None) -> bool:
+            with self._cond:
+                return self._cond.wait_for(lambda: not wanted & self._pending, timeout)
+
+        host_wait(finished_within)
+
     def _finished_within(self, timeout: float | None) -> bool:
         with self._cond:
             return self._cond.wait_for(lambda: not self._pending, timeout)

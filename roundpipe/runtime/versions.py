@@ -68,6 +68,9 @@ class WeightVersions:
         self._pin = pin
         self._spares: dict[int, torch.Tensor] = {}
         self.published = VersionGate(0)
+        self.gather: Callable[[Callable[[int], torch.Tensor]], None] | None = None
+        """On several nodes: fills the weights other nodes own into the buffer being
+        published, given ``uid -> that buffer's tensor`` (a collective)."""
 
     # -- reading ----------------------------------------------------------------------
 
@@ -100,6 +103,8 @@ class WeightVersions:
                 if buffer == HOME and entry.externally_modified():
                     continue
                 self.source(uid, buffer).copy_(entry.master)
+        if self.gather is not None:
+            self.gather(lambda uid: self.source(uid, buffer))
         self.published.advance_to(version)
 
     # -- with nothing in flight ----------------------------------------------------------
@@ -117,7 +122,7 @@ class WeightVersions:
                 if entry.externally_modified():
                     _adopt(entry, self._pin)
                     rewritten = True
-                elif moved and entry.master is not None:
+                elif moved and entry.trainable:
                     entry.param.data.copy_(self._spare(uid))
                 if entry.master is not None:
                     entry.show_grad()

@@ -1,0 +1,81 @@
+"""Data parallelism across RoundPipe nodes on ``torch.distributed`` (one process per node).
+
+:func:`attach` turns it on for a model whose ``process_group`` spans more than one
+rank; nothing changes on one node. See :mod:`.node` for what a step does and
+:mod:`.layout` for who owns what.
+"""
+
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+from ..runtime.layers import LayerBinding
+from ..runtime.session import Session
+from .comm import Comm, PeerFailure
+from .node import GRAD_REDUCTIONS, NodeSync
+
+__all__ = ["CommOptions", "NodeSync", "PeerFailure", "attach"]
+
+
+@dataclass(frozen=True)
+class CommOptions:
+    """How a model talks to the other nodes."""
+
+    timeout_s: float | None = None
+    """Seconds a collective may wait for the other nodes before every rank raises
+    (None: the ``torch.distributed`` default of the process group, 30 min for gloo)."""
+    bucket_bytes: int = 32 * 2**20
+    """Gradients of consecutive layers travel together until a bucket holds this many
+    bytes (fewer, larger messages for small layers)."""
+
+
+def attach(
+    session: Session,
+    layers: list[LayerBinding],
+    process_group,
+    grad_reduction: str,
+    options: CommOptions | None,
+) -> NodeSync | None:
+    """Wire ``session`` to the other ranks of ``process_group`` (None: the world group
+    when ``torch.distributed`` is initialised); None on a single node. Collective:
+    every rank of the group constructs its model at the same point."""
+    if grad_reduction not in GRAD_REDUCTIONS:
+        raise ValueError(f"grad_reduction must be one of {GRAD_REDUCTIONS}, got {grad_reduction!r}")
+    options = options or CommOptions()
+    if not isinstance(options, CommOptions):
+        raise TypeError(f"comm_options must be a CommOptions, got {type(options).__name__}")
+    if options.timeout_s is not None and not options.timeout_s > 0:
+        raise ValueError(f"CommOptions.timeout_s must be > 0, got {options.timeout_s}")
+    if options.bucket_bytes < 1:
+        raise ValueError(f"CommOptions.bucket_bytes must be >= 1, got {options.bucket_bytes}")
+    if process_group is None:
+        if not (dist.is_available() and dist.is_initialized()):
+            return None
+        process_group = dist.group.WORLD
+    if dist.get_world_size(process_group) == 1:
+        return None
+    if session.optimizer.grad_scaler is not None:
+        raise NotImplementedError(
+            "a GradScaler with several nodes is not supported yet (each node would skip "
+            "steps on its own share's overflow); train in bf16 or fp32 across nodes"
+        )
+    timeout = None if options.timeout_s is None else datetime.timedelta(seconds=options.timeout_s)
+    comm = Comm(process_group, timeout)
+    itemsize = max((e.optim_dtype.itemsize for e in session.store.entries.values()), default=4)
+    bucket_numel = max(1, options.bucket_bytes // itemsize)
+    node = NodeSync(comm, session.store, _layers_of(layers), grad_reduction, bucket_numel)
+    session.optimizer.node = node
+    session.versions.gather = node.gather
+    return node
+
+
+def _layers_of(layers: list[LayerBinding]) -> dict[int, tuple[int, ...]]:
+    """For each parameter uid, the indices of the layers that use it."""
+    uses: dict[int, list[int]] = {}
+    for layer in layers:
+        for uid in layer.param_uids:
+            uses.setdefault(uid, []).append(layer.index)
+    return {uid: tuple(indices) for uid, indices in uses.items()}

@@ -1,0 +1,147 @@
+"""The collectives one RoundPipe model issues between nodes, on ``torch.distributed``.
+
+Two gloo groups over the ranks of the model's process group: the caller's thread
+(call starts, losses) and the host optimizer thread (gradients, weights) issue
+collectives at the same time, each in an order every rank shares, so each needs its
+own group — two threads issuing on one group could pair different collectives
+across ranks. Every collective that fails (a peer exited, raised or timed out)
+raises :class:`PeerFailure` naming this rank and what it was doing; after the
+group's timeout at the latest, so no rank waits forever.
+"""
+
+from __future__ import annotations
+
+import datetime
+import itertools
+import time
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from ..errors import RoundPipeError
+
+# torch 2.13 renamed the single-tensor collectives; older releases have the old names.
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+class PeerFailure(RoundPipeError):
+    """Work on another node failed, or a collective with the other nodes did."""
+
+
+_models = itertools.count()  # models are built in the same order on every rank
+
+
+class Comm:
+    """This node's side of the collectives of one model (see the module doc)."""
+
+    def __init__(self, group, timeout: datetime.timedelta | None) -> None:
+        ranks = dist.get_process_group_ranks(group)
+        self.rank = dist.get_rank(group)
+        self.world = len(ranks)
+        kwargs = {"backend": "gloo", "use_local_synchronization": True}
+        if timeout is not None:
+            kwargs["timeout"] = timeout
+        self._caller = dist.new_group(ranks, **kwargs)
+        self._optimizer = dist.new_group(ranks, **kwargs)
+        self._rs_supported = True
+        self._key = f"roundpipe/{next(_models)}/alive/"
+        self.broken: str | None = None
+        """Set by the first failed collective: the group is unusable after it."""
+        self.delay_s = 0.0
+        """Testing: seconds each bucket collective sleeps first (a slow network)."""
+        self.spans: list[tuple[str, float, float]] | None = None
+        """When a list: (what, start, end) of every bucket collective, perf_counter s."""
+
+    # -- the caller's thread ---------------------------------------------------------
+
+    def gather_ints(self, values: list[int], what: str) -> list[list[int]]:
+        """Every rank's ``values`` (the same length on all), by rank."""
+        mine = torch.tensor(values, dtype=torch.int64)
+        out = torch.empty(self.world * len(values), dtype=torch.int64)
+        self._run(what, lambda: _all_gather(out, mine, group=self._caller))
+        return out.view(self.world, len(values)).tolist()
+
+    def gather_floats(self, values: list[float], what: str) -> list[list[float]]:
+        mine = torch.tensor(values, dtype=torch.float64)
+        out = torch.empty(self.world * len(values), dtype=torch.float64)
+        self._run(what, lambda: _all_gather(out, mine, group=self._caller))
+        return out.view(self.world, len(values)).tolist()
+
+    # -- the optimizer thread -----------------------------------------------------------
+
+    def gather_status(self, values: torch.Tensor, what: str) -> torch.Tensor:
+        """Every rank's int32 ``values``, one row per rank."""
+        out = torch.empty(self.world * values.numel(), dtype=values.dtype)
+        self._run(what, lambda: _all_gather(out, values, group=self._optimizer))
+        return out.view(self.world, -1)
+
+    def all_reduce(self, tensor: torch.Tensor, what: str, op=dist.ReduceOp.SUM) -> None:
+        self._run(what, lambda: dist.all_reduce(tensor, op=op, group=self._optimizer))
+
+    def reduce_scatter(self, out: torch.Tensor, flat: torch.Tensor, what: str) -> None:
+        """``out`` = this rank's segment of the sum over ranks of ``flat``."""
+        self._timed(what, lambda: self._reduce_scatter(out, flat))
+
+    def all_gather(self, out: torch.Tensor, segment: torch.Tensor, what: str) -> None:
+        """``out`` = every rank's ``segment``, by rank."""
+        group = self._optimizer
+        self._timed(what, lambda: _all_gather(out, segment, group=group))
+
+    def _reduce_scatter(self, out: torch.Tensor, flat: torch.Tensor) -> None:
+        if self._rs_supported:
+            try:
+                _reduce_scatter(out, flat, group=self._optimizer)
+                return
+            except (RuntimeError, NotImplementedError) as exc:
+                if "support" not in str(exc).lower():
+                    raise
+                self._rs_supported = False  # an older gloo: all-reduce, keep our segment
+        dist.all_reduce(flat, group=self._optimizer)
+        out.copy_(flat.view(self.world, -1)[self.rank])
+
+    def _timed(self, what: str, fn: Callable[[], None]) -> None:
+        start = time.perf_counter()
+        if self.delay_s:
+            time.sleep(self.delay_s)
+        self._run(what, fn)
+        if self.spans is not None:
+            self.spans.append((what, start, time.perf_counter()))
+
+    def _run(self, what: str, fn: Callable[[], object]) -> None:
+        if self.broken is not None:
+            raise PeerFailure(
+                f"rank {self.rank} of {self.world}: {what} was not attempted: an earlier "
+                f"collective failed ({self.broken})"
+            )
+        try:
+            fn()
+        except Exception as exc:
+            self.broken = f"{type(exc).__name__}: {exc}"
+            silent = self._silent_ranks()
+            cause = (
+                f"rank(s) {silent} did not answer: exited, hung or busy elsewhere"
+                if silent
+                else "another rank probably failed, exited or timed out"
+            )
+            raise PeerFailure(
+                f"rank {self.rank} of {self.world}: {what} failed ({self.broken}); {cause}"
+            ) from exc
+
+    def _silent_ranks(self, wait_s: float = 3.0) -> list[int] | None:
+        """After a failed collective: the ranks that do not check in on the rendezvous
+        store within ``wait_s`` (every rank whose collective failed checks in)."""
+        try:
+            store = dist.distributed_c10d._get_default_store()
+            store.set(f"{self._key}{self.rank}", "1")
+            keys = [f"{self._key}{r}" for r in range(self.world)]
+            deadline = time.monotonic() + wait_s
+            while time.monotonic() < deadline:
+                silent = [r for r, key in enumerate(keys) if not store.check([key])]
+                if not silent:
+                    return []
+                time.sleep(0.05)
+            return silent
+        except Exception:  # noqa: BLE001 - naming the culprit is best effort
+            return None

@@ -1,0 +1,218 @@
+"""One model's work across nodes: gradients reduced, weights gathered, calls agreed.
+
+Each node trains on its share of the global batch with its own devices. A step
+(on the host optimizer thread) reduce-scatters the gradients bucket by bucket as
+soon as every call of the step has run the backward of the bucket's layers (so the
+reduction overlaps the rest of the backward), lets the user's ``step_fn`` update
+the masters this node owns, and all-gathers the updated weights in the model dtype
+into the buffer the step publishes (:mod:`roundpipe.runtime.versions`). Every node
+takes the same decision about a step: if a call failed on any node, every node
+skips it and discards the gradients.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Callable, Iterable
+
+import torch
+
+from ..runtime.call import Call
+from ..runtime.params import ParameterStore
+from ..schedule import JobKind
+from .comm import Comm, PeerFailure
+from .layout import Bucket, ShardLayout, TensorSpec, shard_layout
+
+GRAD_REDUCTIONS = ("sum", "mean")
+
+
+class NodeSync:
+    """This node's side (see the module doc)."""
+
+    def __init__(
+        self,
+        comm: Comm,
+        store: ParameterStore,
+        layers_of: dict[int, tuple[int, ...]],
+        grad_reduction: str,
+        bucket_numel: int,
+    ) -> None:
+        self.comm = comm
+        self.rank, self.world = comm.rank, comm.world
+        self.store = store
+        self.grad_reduction = grad_reduction
+        self.uids = [uid for uid, entry in store.entries.items() if entry.trainable]
+        specs = [
+            TensorSpec(
+                index,
+                store.entries[uid].param.numel(),
+                store.entries[uid].optim_dtype,
+                store.entries[uid].param.dtype,
+                layers_of[uid],
+            )
+            for index, uid in enumerate(self.uids)
+        ]
+        self.layout: ShardLayout = shard_layout(specs, self.world, bucket_numel)
+        self._check_same_model(specs)
+        store.shard(frozenset(self.uids[i] for i in self.layout.owned_by(self.rank)))
+
+    def _check_same_model(self, specs: list[TensorSpec]) -> None:
+        names = [
+            f"{e.name}:{tuple(e.param.shape)}:{e.param.dtype}:{e.optim_dtype}:{e.trainable}"
+            for e in self.store.entries.values()
+        ]
+        mine = zlib.crc32("|".join(names).encode())
+        rows = self.comm.gather_ints([mine, len(specs)], "the model check at construction")
+        differ = [r for r, row in enumerate(rows) if row[0] != mine]
+        if differ:
+            raise ValueError(
+                f"rank {self.rank}: ranks {differ} wrap a different model (parameter names, "
+                "shapes, dtypes or requires_grad differ); every rank must wrap the same model"
+            )
+
+    # -- the caller's thread ---------------------------------------------------------
+
+    def check_call(self, num_microbatches: int) -> None:
+        rows = self.comm.gather_ints([num_microbatches], "the call-start check")
+        counts = [row[0] for row in rows]
+        if len(set(counts)) > 1:
+            raise ValueError(
+                f"every rank must split its batch into the same number of microbatches; "
+                f"by rank they are {counts} (set RoundPipeRunConfig(num_microbatch=...) "
+                "alike on every rank)"
+            )
+
+    def sum_over_nodes(self, value: float, what: str) -> float:
+        return sum(row[0] for row in self.comm.gather_floats([float(value)], what))
+
+    def global_loss(self, local: torch.Tensor | None, error: BaseException | None):
+        """The loss over every node's batch (``local`` None: the call failed here), and
+        the error to raise: this node's, or one naming the ranks where the call failed."""
+        mine = [0.0, 1.0] if local is None else [float(local), 0.0]
+        rows = self.comm.gather_floats(mine, "the loss exchange")
+        failed = [r for r, row in enumerate(rows) if row[1]]
+        total = sum(row[0] for row in rows)
+        if self.grad_reduction == "mean":
+            total /= self.world
+        if error is None and failed:
+            error = PeerFailure(f"the call failed on rank(s) {failed}")
+        return torch.tensor(total, dtype=torch.float32), error
+
+    # -- the optimizer thread -----------------------------------------------------------
+
+    def all_reduce(self, tensor: torch.Tensor, op) -> None:
+        """Inside ``step_fn`` (e.g. the global gradient norm)."""
+        self.comm.all_reduce(tensor, "an all-reduce inside step_fn", op)
+
+    def step(self, calls: Iterable[Call], step_fn: Callable[[], BaseException | None]):
+        """Reduce, agree, run ``step_fn`` (returns its error), agree again.
+
+        Returns ``(error, skipped)``: the error to report for this step, and whether it
+        was skipped because a call failed (on this node or another)."""
+        calls = tuple(calls)
+        reduced, present = self._reduce(calls)
+        failed_here = any(call.latch.wait() is not None for call in calls)
+        failed, anywhere = self._agree(failed_here, present, "the step's status exchange")
+        if failed:
+            self.store.discard_grads()
+            for call in calls:
+                call.discarded_grads = call.discarded_grads or call.accumulated
+            if failed_here:
+                return None, True  # the calls' own errors reach the caller
+            return PeerFailure(f"a call failed on rank(s) {failed}: the step was skipped"), True
+        self._install(reduced, anywhere)
+        error = step_fn()
+        failed, _ = self._agree(error is not None, None, "the step_fn status exchange")
+        if error is None and failed:
+            error = PeerFailure(
+                f"step_fn failed on rank(s) {failed}; this rank's step ran (the weights "
+                "stay the same on every rank: each publishes what its step left)"
+            )
+        return error, False
+
+    def _reduce(self, calls: tuple[Call, ...]) -> tuple[list[torch.Tensor], list[int]]:
+        present = [0] * len(self.uids)
+        reduced = []
+        for number, bucket in enumerate(self.layout.buckets):
+            _wait_final(bucket, calls)
+            segment = bucket.segment
+            flat = torch.zeros(self.world * segment, dtype=bucket.grad_dtype)
+            for rank, share in enumerate(bucket.shares):
+                offset = rank * segment
+                for index in share:
+                    grad = self.store.take_local_grad(self.uids[index])
+                    numel = self.store.entries[self.uids[index]].param.numel()
+                    if grad is not None:
+                        flat[offset : offset + numel].copy_(grad.reshape(-1))
+                        present[index] = 1
+                    offset += numel
+            out = torch.empty(segment, dtype=bucket.grad_dtype)
+            what = _describe("gradient reduce-scatter", number, bucket)
+            self.comm.reduce_scatter(out, flat, what)
+            reduced.append(out)
+        return reduced, present
+
+    def _agree(self, failed: bool, present: list[int] | None, what: str):
+        values = torch.tensor([int(failed), *(present or [])], dtype=torch.int32)
+        rows = self.comm.gather_status(values, what)
+        failed_ranks = [r for r in range(self.world) if rows[r, 0]]
+        anywhere = None
+        if present is not None:
+            anywhere = rows[:, 1:].amax(dim=0).tolist() if present else []
+        return failed_ranks, anywhere
+
+    def _install(self, reduced: list[torch.Tensor], present: list[int]) -> None:
+        """Add the reduced gradients of this node's tensors into their masters' ``.grad``."""
+        with torch.no_grad():
+            for bucket, out in zip(self.layout.buckets, reduced, strict=True):
+                if self.grad_reduction == "mean":
+                    out.div_(self.world)
+                offset = 0
+                for index in bucket.shares[self.rank]:
+                    entry = self.store.entries[self.uids[index]]
+                    numel = entry.param.numel()
+                    if present[index]:
+                        grad = out[offset : offset + numel].view(entry.param.shape)
+                        if entry.master.grad is None:
+                            entry.master.grad = grad
+                        else:
+                            entry.master.grad.add_(grad)
+                    offset += numel
+
+    def gather(self, buffer_of: Callable[[int], torch.Tensor]) -> None:
+        """Fill every tensor other nodes own from them, in ``buffer_of(uid)``."""
+        for number, bucket in enumerate(self.layout.buckets):
+            segment = bucket.segment
+            mine = torch.zeros(segment, dtype=bucket.weight_dtype)
+            offset = 0
+            for index in bucket.shares[self.rank]:
+                source = buffer_of(self.uids[index]).reshape(-1)
+                mine[offset : offset + source.numel()].copy_(source)
+                offset += source.numel()
+            out = torch.empty(self.world * segment, dtype=bucket.weight_dtype)
+            self.comm.all_gather(out, mine, _describe("weight all-gather", number, bucket))
+            for rank, share in enumerate(bucket.shares):
+                if rank == self.rank:
+                    continue
+                offset = rank * segment
+                for index in share:
+                    target = buffer_of(self.uids[index])
+                    numel = target.numel()
+                    target.copy_(out[offset : offset + numel].view(target.shape))
+                    offset += numel
+
+
+def _wait_final(bucket: Bucket, calls: tuple[Call, ...]) -> None:
+    """Until every dispatched backward job of ``calls`` touching the bucket finished
+    (then its gradients were accumulated: a job finishes after its follow-ups)."""
+    for call in calls:
+        jobs = [
+            job.index
+            for job in call.schedule.jobs
+            if job.kind is not JobKind.FORWARD and not bucket.layers.isdisjoint(job.layers)
+        ]
+        call.latch.wait_jobs(jobs)
+
+
+def _describe(what: str, number: int, bucket: Bucket) -> str:
+    return f"the {what} of bucket {number} (layers {min(bucket.layers)}-{max(bucket.layers)})"

@@ -1,0 +1,87 @@
+"""Run RoundPipe on several local processes (gloo), one per simulated node.
+
+``launch(scenario, world, tmp_path, **params)`` starts ``world`` processes of this
+module; each joins a gloo process group on localhost, runs ``SCENARIOS[scenario]``
+and saves what it returns to ``tmp_path/rank{r}.pt``. Nothing is imported from the
+parent: every rank builds its model and data from seeds, like separate machines.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def launch(scenario: str, world: int, tmp_path: Path, timeout: float = 120, **params):
+    """Run ``scenario`` on ``world`` ranks; returns ``(returncodes, results, outputs)``
+    (``results[r]`` is None where rank ``r`` saved nothing)."""
+    port = free_port()
+    procs = []
+    for rank in range(world):
+        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        env.update(RANK=str(rank), WORLD_SIZE=str(world))
+        env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "tests"), str(ROOT)])
+        env.update(OMP_NUM_THREADS="1")
+        args = json.dumps({"scenario": scenario, "out": str(tmp_path), "params": params})
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, str(ROOT / "tests" / "multinode.py"), args],
+                cwd=ROOT,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        )
+    deadline = time.monotonic() + timeout
+    outputs = []
+    for proc in procs:
+        try:
+            out, _ = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            for p in procs:
+                p.kill()
+            out, _ = proc.communicate()
+            out += "\n<<killed: timeout>>"
+        outputs.append(out)
+    results = []
+    for rank in range(world):
+        path = tmp_path / f"rank{rank}.pt"
+        results.append(torch.load(path, weights_only=False) if path.exists() else None)
+    return [p.returncode for p in procs], results, outputs
+
+
+def _main() -> None:
+    spec = json.loads(sys.argv[1])
+    import multinode_scenarios
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    timeout = datetime.timedelta(seconds=spec["params"].get("pg_timeout_s", 60))
+    dist.init_process_group("gloo", timeout=timeout)
+    rank = dist.get_rank()
+    try:
+        result = multinode_scenarios.SCENARIOS[spec["scenario"]](rank, **spec["params"])
+        torch.save(result, Path(spec["out"]) / f"rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    _main()

@@ -1,0 +1,200 @@
+"""What each rank of a multi-node test runs (see ``tests/multinode.py``)."""
+
+from __future__ import annotations
+
+import functools
+import os
+import resource
+import time
+
+import torch
+import torch.distributed as dist
+from oracle import batch, mlp, mse_sum
+
+from roundpipe import EmulatedOptions, RoundPipe, RoundPipeRunConfig
+from roundpipe.cluster import CommOptions
+
+
+def make_optimizer(name: str, params):
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=0.05, momentum=0.9)
+    return torch.optim.Adam(params, lr=0.01)
+
+
+def rank_share(tensor: torch.Tensor, rank: int, world: int) -> torch.Tensor:
+    return torch.tensor_split(tensor, world)[rank]
+
+
+def train(
+    rank: int,
+    *,
+    steps: int = 3,
+    is_async: bool = False,
+    optimizer: str = "adam",
+    devices: int = 2,
+    microbatches: int = 2,
+    batch_size: int = 12,
+    grad_reduction: str = "sum",
+    dtype: str = "float64",
+    width: int = 16,
+    depth: int = 6,
+    bucket_bytes: int = 32 * 2**20,
+    delay_s: float = 0.0,
+    die_at_step: int | None = None,
+    fail_at_step: int | None = None,
+    timeout_s: float | None = None,
+    clip: float | None = None,
+    **_: object,
+) -> dict:
+    """Train an ``oracle.mlp`` on this rank's share of ``oracle.batch(step)``."""
+    world = dist.get_world_size()
+    model = mlp(width=width, depth=depth).to(getattr(torch, dtype))
+    options = CommOptions(timeout_s=timeout_s, bucket_bytes=bucket_bytes)
+    config = RoundPipeRunConfig(num_microbatch=microbatches)
+    pipe = RoundPipe(
+        model,
+        devices=f"emulated:{devices}",
+        model_run_config=config,
+        grad_reduction=grad_reduction,
+        comm_options=options,
+    )
+    pipe._node.comm.delay_s = delay_s
+    opt = make_optimizer(optimizer, pipe.optim_parameters())
+    losses, step_times, errors = [], [], []
+    for step in range(steps):
+        x, y = batch(seed=step, size=batch_size)
+        x, y = x.to(model[0].weight.dtype), y.to(model[0].weight.dtype)
+        xs, ys = rank_share(x, rank, world), rank_share(y, rank, world)
+        if die_at_step == step and rank == world - 1:
+            os._exit(3)  # a node lost mid-run
+        if fail_at_step == step and rank == world - 1:
+            xs = xs[:, :-1]  # a shape error inside the first layer, on this rank only
+        start = time.perf_counter()
+        try:
+            losses.append(float(pipe.forward_backward((xs,), label=ys, loss_fn=mse_sum)))
+        except Exception as exc:
+            if fail_at_step is None:
+                raise
+            errors.append(f"{type(exc).__name__}: {exc}")
+            continue
+        pipe.step(functools.partial(step_fn, pipe, opt, clip), is_async=is_async)
+        if not is_async:
+            step_times.append(time.perf_counter() - start)
+    pipe.synchronize()
+    state = {k: v.clone() for k, v in pipe.state_dict().items()}
+    master_bytes = sum(p.numel() * p.element_size() for p in pipe.optim_parameters())
+    adam_bytes = sum(
+        t.numel() * t.element_size()
+        for s in opt.state.values()
+        for t in s.values()
+        if isinstance(t, torch.Tensor) and t.dim() > 0
+    )
+    pipe.close()
+    return {
+        "losses": losses,
+        "errors": errors,
+        "state": state,
+        "master_bytes": master_bytes,
+        "optimizer_bytes": adam_bytes,
+        "step_times": step_times,
+        "maxrss_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
+    }
+
+
+def step_fn(pipe: RoundPipe, opt, clip: float | None) -> None:
+    if clip is not None:
+        pipe.clip_grad_norm_(clip)
+    opt.step()
+    opt.zero_grad()
+
+
+def uneven(rank: int, **_: object) -> dict:
+    """Rank r splits its batch into r + 2 microbatches."""
+    pipe = RoundPipe(mlp(), devices="emulated:1")
+    x, y = batch(size=12)
+    config = RoundPipeRunConfig(num_microbatch=rank + 2)
+    try:
+        pipe.forward_backward((x,), label=y, loss_fn=mse_sum, run_config=config)
+    except ValueError as exc:
+        error = str(exc)
+    else:
+        error = None
+    pipe.close()
+    return {"error": error}
+
+
+def overlap(rank: int, *, delay_s: float, kernel_s: float, is_async: bool, steps: int = 5):
+    """Time steps with each bucket collective delayed by ``delay_s`` and layers taking
+    ``kernel_s`` of modelled device time; the last step's timeline."""
+    world = dist.get_world_size()
+    options = EmulatedOptions(kernel_time=lambda info: kernel_s * max(1, len(info.layers)))
+    pipe = RoundPipe(
+        mlp(depth=10),
+        devices="emulated:2",
+        model_run_config=RoundPipeRunConfig(num_microbatch=2),
+        emulated_options=options,
+        comm_options=CommOptions(bucket_bytes=1),
+    )
+    pipe._node.comm.delay_s = delay_s
+    opt = torch.optim.SGD(pipe.optim_parameters(), lr=0.01)
+    x, y = batch(size=8)
+    xs, ys = rank_share(x, rank, world), rank_share(y, rank, world)
+
+    def one_step() -> None:
+        pipe.forward_backward((xs,), label=ys, loss_fn=mse_sum)
+        pipe.step(functools.partial(step_fn, pipe, opt, None), is_async=is_async)
+
+    one_step()  # warm-up
+    pipe.synchronize()
+    start = time.perf_counter()
+    for _ in range(steps - 1):
+        one_step()
+    pipe.start_timeline()  # waits for the steps so far
+    elapsed = time.perf_counter() - start
+    one_step()
+    timeline = pipe.timeline()
+    buckets = len(pipe._node.layout.buckets)
+    pipe.close()
+    spans = [(s.kind, s.label, s.start, s.end) for s in timeline.spans]
+    return {"seconds_per_step": elapsed / (steps - 1), "spans": spans, "buckets": buckets}
+
+
+def hf_batch(step: int):
+    """A global batch of 4 rows; the second half has most labels ignored, so the
+    ranks' label-token counts differ."""
+    from test_hf_from_hf import VOCAB
+
+    generator = torch.Generator().manual_seed(100 + step)
+    ids = torch.randint(0, VOCAB, (4, 8), generator=generator)
+    labels = ids.clone()
+    labels[2:, :6] = -100
+    labels[0, :2] = -100
+    return ids, labels
+
+
+def hf(rank: int, *, steps: int = 2, **_: object) -> dict:
+    """Train the tiny tied-embedding Qwen3 of the HF tests on this rank's rows."""
+    from test_hf_from_hf import build
+
+    world = dist.get_world_size()
+    pipe = RoundPipe.from_hf(
+        build("qwen3").double(),
+        devices="emulated:2",
+        model_run_config=RoundPipeRunConfig(num_microbatch=1),
+    )
+    opt = torch.optim.AdamW(pipe.optim_parameters(), lr=0.01)
+    losses = []
+    for step in range(steps):
+        ids, labels = hf_batch(step)
+        batch = {
+            "input_ids": rank_share(ids, rank, world),
+            "labels": rank_share(labels, rank, world),
+        }
+        losses.append(float(pipe.forward_backward(input_kwargs=batch)))
+        pipe.step(lambda: (opt.step(), opt.zero_grad()), is_async=False)
+    state = {k: v.clone() for k, v in pipe.hf_model.state_dict().items()}
+    pipe.close()
+    return {"losses": losses, "state": state}
+
+
+SCENARIOS = {"hf": hf, "train": train, "uneven": uneven, "overlap": overlap}

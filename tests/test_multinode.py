@@ -1,0 +1,189 @@
+"""Several RoundPipe nodes (local processes on gloo) train as one process would on the
+concatenated global batch; the oracle is plain PyTorch (``tests/oracle.py``).
+
+Tolerance: float64 models, so the only difference from the reference is the order of
+the gradient sums (each rank sums its own microbatches, then the ranks are summed),
+which moves weights by ~1e-15 relative; we allow 1e-10.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from multinode import launch
+from oracle import batch, mlp, train_reference
+
+pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")
+
+
+def reference(steps: int, shards: int, optimizer: str, stale: bool, scale: float = 1.0):
+    """Plain PyTorch on the global batches, split into ``shards`` microbatches."""
+    from multinode_scenarios import make_optimizer
+
+    model = mlp().double()
+    batches = [tuple(t.double() for t in batch(seed=s, size=12)) for s in range(steps)]
+
+    def loss_scaled(output, label):
+        return ((output - label) ** 2).sum() * scale
+
+    return train_reference(
+        model, batches, shards, lambda p: make_optimizer(optimizer, p), stale, loss_scaled
+    )
+
+
+def assert_state_close(state: dict, model: torch.nn.Module) -> None:
+    for name, want in model.state_dict().items():
+        torch.testing.assert_close(state[name], want, rtol=1e-10, atol=1e-12, msg=name)
+
+
+@pytest.mark.parametrize(
+    "world, optimizer, is_async",
+    [(2, "adam", False), (3, "sgd", False), (2, "adam", True), (3, "adam", True)],
+)
+def test_nodes_train_like_one_process_on_the_global_batch(tmp_path, world, optimizer, is_async):
+    steps = 4
+    codes, results, outputs = launch(
+        "train", world, tmp_path, steps=steps, optimizer=optimizer, is_async=is_async
+    )
+    assert codes == [0] * world, outputs
+    want, want_losses = reference(steps, 2 * world, optimizer, stale=is_async)
+    for result in results:
+        assert result["losses"] == pytest.approx(want_losses, rel=1e-6)  # returned in fp32
+        assert_state_close(result["state"], want)
+
+
+def test_mean_reduction_averages_like_ddp(tmp_path):
+    codes, results, outputs = launch("train", 2, tmp_path, steps=3, grad_reduction="mean")
+    assert codes == [0, 0], outputs
+    want, want_losses = reference(3, 4, "adam", stale=False, scale=0.5)
+    for result in results:
+        assert result["losses"] == pytest.approx(want_losses, rel=1e-6)  # returned in fp32
+        assert_state_close(result["state"], want)
+
+
+def test_small_buckets_give_the_same_result(tmp_path):
+    """One bucket per layer instead of one for the whole model."""
+    codes, results, outputs = launch("train", 2, tmp_path, steps=3, bucket_bytes=1)
+    assert codes == [0, 0], outputs
+    want, _ = reference(3, 4, "adam", stale=False)
+    for result in results:
+        assert_state_close(result["state"], want)
+
+
+def test_uneven_microbatch_counts_are_refused_on_every_rank(tmp_path):
+    codes, results, outputs = launch("uneven", 2, tmp_path)
+    assert codes == [0, 0], outputs
+    for result in results:
+        assert "same number of microbatches" in result["error"]
+        assert "[2, 3]" in result["error"]
+
+
+def test_each_node_holds_its_share_of_masters_and_optimizer_state(tmp_path):
+    world = 3
+    codes, results, outputs = launch(
+        "train", world, tmp_path, steps=1, width=64, depth=26, bucket_bytes=1
+    )
+    assert codes == [0] * world, outputs
+    one_node = sum(p.numel() * 8 for p in mlp(width=64, depth=26).parameters())
+    masters = [r["master_bytes"] for r in results]
+    adam = [r["optimizer_bytes"] for r in results]
+    assert sum(masters) == one_node  # every master is on exactly one node
+    assert sum(adam) == 2 * one_node
+    for share, state in zip(masters, adam, strict=True):
+        assert share <= 1.2 * one_node / world
+        assert state <= 2 * 1.2 * one_node / world
+
+
+def test_a_call_failing_on_one_rank_raises_on_every_rank_and_training_goes_on(tmp_path):
+    """Rank 1's batch has the wrong width at step 1: rank 1 raises the shape error,
+    rank 0 an error naming rank 1; every rank skips that batch and trains on."""
+    codes, results, outputs = launch("train", 2, tmp_path, steps=4, fail_at_step=1)
+    assert codes == [0, 0], outputs
+    assert len(results[1]["errors"]) == 1 and "mat1 and mat2" in results[1]["errors"][0]
+    assert results[0]["errors"] == ["PeerFailure: the call failed on rank(s) [1]"]
+    model = mlp().double()
+    from multinode_scenarios import make_optimizer
+
+    batches = [tuple(t.double() for t in batch(seed=s, size=12)) for s in (0, 2, 3)]
+    want, _ = train_reference(model, batches, 4, lambda p: make_optimizer("adam", p))
+    for result in results:
+        assert_state_close(result["state"], want)
+
+
+def test_a_rank_that_dies_makes_the_others_raise_within_the_timeout(tmp_path):
+    codes, _, outputs = launch(
+        "train", 3, tmp_path, steps=3, die_at_step=1, timeout_s=20, timeout=90
+    )
+    assert codes[2] == 3  # the node that was lost
+    for code, output in zip(codes[:2], outputs[:2], strict=True):
+        assert code not in (0, None), output
+        assert "PeerFailure" in output and "rank(s) [2] did not answer" in output, output
+        assert "<<killed: timeout>>" not in output
+
+
+def test_communication_overlaps_the_backward_and_the_next_iteration(tmp_path):
+    """Each bucket collective is delayed by 20 ms (12 per step). Asynchronous steps hide
+    most of it behind the next iteration; in a synchronous step the timeline shows
+    gradient reduce-scatters that finished while the backward still ran."""
+    delay = 0.02
+    runs = {}
+    for delay_s in (0.0, delay):
+        for is_async in (True, False):
+            out = tmp_path / f"{delay_s}-{is_async}"
+            out.mkdir()
+            codes, results, outputs = launch(
+                "overlap", 2, out, delay_s=delay_s, kernel_s=0.01, is_async=is_async
+            )
+            assert codes == [0, 0], outputs
+            runs[delay_s, is_async] = results[0]
+    total_delay = 2 * runs[delay, True]["buckets"] * delay
+    growth = runs[delay, True]["seconds_per_step"] - runs[0.0, True]["seconds_per_step"]
+    assert growth < 0.5 * total_delay, (growth, total_delay)
+
+    spans = runs[delay, False]["spans"]
+    last_backward = max(end for kind, _, _, end in spans if kind in ("backward", "fused"))
+    reduces = [end for kind, label, _, end in spans if "reduce-scatter" in label]
+    assert len(reduces) == runs[delay, False]["buckets"]
+    assert min(reduces) < last_backward
+
+
+def test_clip_grad_norm_clips_by_the_norm_over_every_nodes_gradients(tmp_path):
+    codes, results, outputs = launch("train", 2, tmp_path, steps=3, optimizer="sgd", clip=0.5)
+    assert codes == [0, 0], outputs
+    from multinode_scenarios import make_optimizer
+
+    model = mlp().double()
+    opt = make_optimizer("sgd", model.parameters())
+    for step in range(3):
+        x, y = (t.double() for t in batch(seed=step, size=12))
+        for xm, ym in zip(x.tensor_split(4), y.tensor_split(4), strict=True):
+            ((model(xm) - ym) ** 2).sum().backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        assert norm > 0.5  # the clip matters
+        opt.step()
+        opt.zero_grad()
+    for result in results:
+        assert_state_close(result["state"], model)
+
+
+def test_hugging_face_loss_is_the_mean_over_the_global_batchs_label_tokens(tmp_path):
+    """The ranks hold different numbers of label tokens; the loss and the gradients are
+    those of the model's own loss on the whole global batch."""
+    codes, results, outputs = launch("hf", 2, tmp_path)
+    assert codes == [0, 0], outputs
+    from multinode_scenarios import hf_batch
+    from test_hf_from_hf import build
+
+    model = build("qwen3").double()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    losses = []
+    for step in range(2):
+        ids, labels = hf_batch(step)
+        loss = model(input_ids=ids, labels=labels).loss
+        loss.backward()
+        losses.append(float(loss.detach()))
+        opt.step()
+        opt.zero_grad()
+    for result in results:
+        assert result["losses"] == pytest.approx(losses, rel=1e-6)
+        assert_state_close(result["state"], model)
