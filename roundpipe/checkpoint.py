@@ -14,6 +14,12 @@ A checkpoint is a directory:
 - ``rng.safetensors``: the random generators the runtime draws from (CPU, devices);
 - ``state.json``: format, parameter names, scheduler and GradScaler state, ``extra``.
 
+On several nodes (``process_group``) saving and loading are collective: every rank
+writes its own complete checkpoint of this layout into ``path/rank<r>-of-<K>`` (its
+share of the masters and optimizer state; the weights, which every node holds whole),
+tagged with a save id all ranks share; loading needs the same number of nodes and
+refuses shards of different saves.
+
 Saving first waits for queued work (a ``synchronize``). It is atomic: the files are
 written (and flushed to disk) into a temporary directory that then replaces ``path``;
 a save killed half-way leaves the previous checkpoint, at ``path`` or, if the kill
@@ -47,8 +53,16 @@ class Checkpoints:
             session.check_open()
             session.synchronize()
             buffers = list(self.model.named_buffers())
+            shard = None
+            if self._node is not None:
+                token = int.from_bytes(os.urandom(7), "little")
+                save_id = self._node.comm.gather_ints([token], "the checkpoint save id")[0][0]
+                shard = {"rank": self._node.rank, "world": self._node.world, "save_id": save_id}
+                path = shard_path(path, shard)
             save(self._session.store, self.pool, buffers, path, optimizer, lr_scheduler,
-                 grad_scaler, extra)  # fmt: skip
+                 grad_scaler, extra, shard)  # fmt: skip
+            if self._node is not None:
+                self._node.comm.gather_ints([0], "the checkpoint save (every rank done)")
 
     def load_checkpoint(self, path, optimizer=None, lr_scheduler=None, grad_scaler=None) -> Any:
         """Restore a :meth:`save_checkpoint` of this model (and the given optimizer,
@@ -59,18 +73,38 @@ class Checkpoints:
             session.synchronize()
             store = self._session.store
             buffers = list(self.model.named_buffers())
-            extra, masters = load(store, self.pool, buffers, path, optimizer, lr_scheduler,
-                                  grad_scaler)  # fmt: skip
+            shard = None
+            if self._node is not None:
+                shard = {"rank": self._node.rank, "world": self._node.world}
+                path = shard_path(path, shard)
+            extra, masters, save_id = load(store, self.pool, buffers, path, optimizer,
+                                           lr_scheduler, grad_scaler, shard)  # fmt: skip
+            if self._node is not None:
+                ids = [row[0] for row in self._node.comm.gather_ints([save_id], "the load")]
+                if len(set(ids)) > 1:
+                    raise ValueError(
+                        f"the shards under {path.parent} come from different saves (a save "
+                        "was interrupted on some rank); load an earlier checkpoint"
+                    )
             session.synchronize()  # adopts the written weights (the masters take them) ...
             restore_masters(store, masters)  # ... then get their full-precision values
             session.make_current()  # .grad shows the restored gradients
         return extra
 
 
-def save(store, pool, buffers, path, optimizer, lr_scheduler, grad_scaler, extra) -> None:
+def shard_path(path, shard: dict) -> Path:
+    """Where rank ``shard["rank"]`` of ``shard["world"]`` keeps its part of ``path``."""
+    return Path(path) / f"rank{shard['rank']}-of-{shard['world']}"
+
+
+def save(
+    store, pool, buffers, path, optimizer, lr_scheduler, grad_scaler, extra, shard=None
+) -> None:
     path = Path(path)
     names = [entry.name for entry in store.entries.values()]
     state: dict[str, Any] = {"format": FORMAT, "parameters": names, "extra": extra}
+    if shard is not None:
+        state["shard"] = shard
     tensors = {}
     if optimizer is not None:
         tensors, state["optimizer"] = _split_optimizer(optimizer.state_dict())
@@ -118,13 +152,22 @@ def save(store, pool, buffers, path, optimizer, lr_scheduler, grad_scaler, extra
     _swap(tmp, path)
 
 
-def load(store, pool, buffers, path, optimizer, lr_scheduler, grad_scaler) -> tuple[Any, dict]:
-    """Restore what :func:`save` wrote; returns its ``extra`` and the saved masters. The
-    caller has drained the runtime; it adopts the written weights afterwards, then
-    :func:`restore_masters` sets the masters to their full-precision values."""
-    path = existing_checkpoint(Path(path))
+def load(store, pool, buffers, path, optimizer, lr_scheduler, grad_scaler, shard=None):
+    """Restore what :func:`save` wrote; returns its ``extra``, the saved masters and its
+    save id (0 on one node). The caller has drained the runtime; it adopts the written
+    weights afterwards, then :func:`restore_masters` sets the masters to their
+    full-precision values. ``shard``: the rank and world this node loads as."""
+    path = existing_checkpoint(Path(path), shard)
     with open(path / "state.json") as file:
         state = json.load(file)
+    saved = state.get("shard")
+    if (saved and {k: saved[k] for k in ("rank", "world")}) != (shard or None):
+        raise ValueError(
+            f"{path} was saved by "
+            + (f"rank {saved['rank']} of {saved['world']} nodes" if saved else "one node")
+            + (f", not by rank {shard['rank']} of {shard['world']}" if shard else "")
+            + ": load a checkpoint with the number of nodes that saved it"
+        )
     names = [entry.name for entry in store.entries.values()]
     if state.get("format") != FORMAT or state.get("parameters") != names:
         raise ValueError(
@@ -160,7 +203,8 @@ def load(store, pool, buffers, path, optimizer, lr_scheduler, grad_scaler) -> tu
         lr_scheduler.load_state_dict(state["lr_scheduler"])
     if grad_scaler is not None:
         grad_scaler.load_state_dict(state["grad_scaler"])
-    return state.get("extra"), _read_tensors(path / "masters.safetensors")
+    masters = _read_tensors(path / "masters.safetensors")
+    return state.get("extra"), masters, (saved or {}).get("save_id", 0)
 
 
 def restore_masters(store, masters: dict[str, torch.Tensor]) -> None:
@@ -227,13 +271,20 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def existing_checkpoint(path: Path) -> Path:
+def existing_checkpoint(path: Path, shard: dict | None = None) -> Path:
     """``path``, or ``path.old`` where a save was killed between its two renames."""
     if (path / "state.json").is_file():
         return path
     old = path.with_name(f"{path.name}.old")
     if (old / "state.json").is_file():  # a save was killed between its two renames
         return old
+    root = path.parent if shard else path
+    shards = sorted(p.name for p in root.glob("rank*-of-*")) if root.is_dir() else []
+    if shards:
+        raise FileNotFoundError(
+            f"no checkpoint at {path}: {root} holds shards {shards} of a save by several "
+            "nodes; load it with that number of nodes"
+        )
     raise FileNotFoundError(f"no checkpoint at {path} (no state.json)")
 
 

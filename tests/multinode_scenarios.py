@@ -172,7 +172,7 @@ def hf_batch(step: int):
     return ids, labels
 
 
-def hf(rank: int, *, steps: int = 2, **_: object) -> dict:
+def hf(rank: int, *, steps: int = 2, save_to: str | None = None, **_: object) -> dict:
     """Train the tiny tied-embedding Qwen3 of the HF tests on this rank's rows."""
     from test_hf_from_hf import build
 
@@ -193,8 +193,35 @@ def hf(rank: int, *, steps: int = 2, **_: object) -> dict:
         losses.append(float(pipe.forward_backward(input_kwargs=batch)))
         pipe.step(lambda: (opt.step(), opt.zero_grad()), is_async=False)
     state = {k: v.clone() for k, v in pipe.hf_model.state_dict().items()}
+    if save_to is not None:
+        pipe.save_pretrained(save_to)
+        written = os.path.exists(os.path.join(save_to, "config.json"))  # on every rank
     pipe.close()
-    return {"losses": losses, "state": state}
+    return {"losses": losses, "state": state, "written": save_to is not None and written}
 
 
-SCENARIOS = {"hf": hf, "train": train, "uneven": uneven, "overlap": overlap}
+def resume(rank: int, *, checkpoint: str, phase: str, **_: object) -> dict:
+    """``phase="save"``: 2 steps, a checkpoint, 2 more; ``"load"``: the checkpoint, then
+    the same 2 more. Adam, asynchronous steps, fp32."""
+    world = dist.get_world_size()
+    pipe = RoundPipe(
+        mlp(), devices="emulated:2", model_run_config=RoundPipeRunConfig(num_microbatch=2)
+    )
+    opt = torch.optim.Adam(pipe.optim_parameters(), lr=0.01)
+    first = 0
+    if phase == "load":
+        first = pipe.load_checkpoint(checkpoint, opt)["next_step"]
+    for step in range(first, 4):
+        if step == 2 and phase == "save":
+            pipe.save_checkpoint(checkpoint, opt, extra={"next_step": 2})
+        x, y = batch(seed=step, size=8)
+        pipe.forward_backward(
+            (rank_share(x, rank, world),), label=rank_share(y, rank, world), loss_fn=mse_sum
+        )
+        pipe.step(lambda: (opt.step(), opt.zero_grad()))
+    state = {k: v.clone() for k, v in pipe.state_dict().items()}
+    pipe.close()
+    return {"state": state}
+
+
+SCENARIOS = {"resume": resume, "hf": hf, "train": train, "uneven": uneven, "overlap": overlap}

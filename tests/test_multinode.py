@@ -169,8 +169,10 @@ def test_clip_grad_norm_clips_by_the_norm_over_every_nodes_gradients(tmp_path):
 def test_hugging_face_loss_is_the_mean_over_the_global_batchs_label_tokens(tmp_path):
     """The ranks hold different numbers of label tokens; the loss and the gradients are
     those of the model's own loss on the whole global batch."""
-    codes, results, outputs = launch("hf", 2, tmp_path)
+    saved = tmp_path / "saved"
+    codes, results, outputs = launch("hf", 2, tmp_path, save_to=str(saved))
     assert codes == [0, 0], outputs
+    assert [r["written"] for r in results] == [True, True]
     from multinode_scenarios import hf_batch
     from test_hf_from_hf import build
 
@@ -187,3 +189,27 @@ def test_hugging_face_loss_is_the_mean_over_the_global_batchs_label_tokens(tmp_p
     for result in results:
         assert result["losses"] == pytest.approx(losses, rel=1e-6)
         assert_state_close(result["state"], model)
+    reloaded = type(model).from_pretrained(saved, torch_dtype=torch.float64)
+    assert_state_close(reloaded.state_dict(), model)
+
+
+def test_sharded_checkpoints_resume_bit_for_bit_on_the_same_number_of_nodes(tmp_path):
+    checkpoint = tmp_path / "ckpt"
+    runs = {}
+    for phase in ("save", "load"):
+        out = tmp_path / phase
+        out.mkdir()
+        codes, results, outputs = launch("resume", 2, out, checkpoint=str(checkpoint), phase=phase)
+        assert codes == [0, 0], outputs
+        runs[phase] = results
+    assert sorted(p.name for p in checkpoint.iterdir()) == ["rank0-of-2", "rank1-of-2"]
+    for saved, loaded in zip(runs["save"], runs["load"], strict=True):
+        for name, tensor in saved["state"].items():
+            assert torch.equal(tensor, loaded["state"][name]), name
+
+    from roundpipe import RoundPipe
+
+    single = RoundPipe(mlp(), devices="emulated:1")
+    with pytest.raises(FileNotFoundError, match="shards .* several nodes"):
+        single.load_checkpoint(checkpoint)
+    single.close()

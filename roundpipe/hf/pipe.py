@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from ..cluster import PeerFailure
 from ..config import RoundPipeRunConfig
 from ..model import RoundPipe
 from .decoder import IGNORE_INDEX, decoder_layers
@@ -33,9 +34,25 @@ class HFRoundPipe(RoundPipe):
 
     def save_pretrained(self, path, **kwargs: Any) -> None:
         """Wait for queued work, then write the model as ``transformers`` (or, for a peft
-        model, the adapter as ``peft``) loads it with ``from_pretrained``."""
+        model, the adapter as ``peft``) loads it with ``from_pretrained``.
+
+        On several nodes it is collective: every node holds the whole model, rank 0
+        writes it, and every rank returns once it is written (or raises if it failed)."""
         self.synchronize()
-        self.hf_model.save_pretrained(path, **kwargs)
+        if self._node is None:
+            self.hf_model.save_pretrained(path, **kwargs)
+            return
+        error = None
+        if self._node.rank == 0:
+            try:
+                self.hf_model.save_pretrained(path, **kwargs)
+            except Exception as exc:  # noqa: BLE001 - raised after the others know
+                error = exc
+        rows = self._node.comm.gather_ints([error is not None], "save_pretrained")
+        if error is not None:
+            raise error
+        if rows[0][0]:
+            raise PeerFailure("save_pretrained failed on rank 0, which writes the model")
 
     def forward_backward(
         self,
