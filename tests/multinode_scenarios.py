@@ -120,7 +120,14 @@ def uneven(rank: int, **_: object) -> dict:
     else:
         error = None
     pipe.close()
-    return {"error": error}
+    try:
+        scaled = RoundPipe(mlp(), devices="emulated:1", grad_scaler=torch.amp.GradScaler("cpu"))
+    except NotImplementedError as exc:
+        scaler_error = str(exc)
+    else:
+        scaled.close()
+        scaler_error = None
+    return {"error": error, "scaler_error": scaler_error}
 
 
 def overlap(rank: int, *, delay_s: float, kernel_s: float, is_async: bool, steps: int = 5):

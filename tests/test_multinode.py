@@ -70,12 +70,13 @@ def test_small_buckets_give_the_same_result(tmp_path):
         assert_state_close(result["state"], want)
 
 
-def test_uneven_microbatch_counts_are_refused_on_every_rank(tmp_path):
+def test_uneven_microbatch_counts_and_grad_scalers_are_refused_on_every_rank(tmp_path):
     codes, results, outputs = launch("uneven", 2, tmp_path)
     assert codes == [0, 0], outputs
     for result in results:
         assert "same number of microbatches" in result["error"]
         assert "[2, 3]" in result["error"]
+        assert "GradScaler" in result["scaler_error"]  # refused across nodes, for now
 
 
 def test_each_node_holds_its_share_of_masters_and_optimizer_state(tmp_path):

@@ -10,12 +10,15 @@ from __future__ import annotations
 import datetime
 from dataclasses import dataclass
 
+import torch
 import torch.distributed as dist
 
 from ..runtime.layers import LayerBinding
 from ..runtime.session import Session
 from .comm import Comm, PeerFailure
 from .node import GRAD_REDUCTIONS, NodeSync
+
+BACKENDS = ("auto", "gloo", "nccl")
 
 __all__ = ["CommOptions", "NodeSync", "PeerFailure", "attach"]
 
@@ -30,6 +33,10 @@ class CommOptions:
     bucket_bytes: int = 32 * 2**20
     """Gradients of consecutive layers travel together until a bucket holds this many
     bytes (fewer, larger messages for small layers)."""
+    backend: str = "auto"
+    """``"gloo"`` (host tensors, works everywhere), ``"nccl"`` (buckets staged through
+    the first device of the pool, a CUDA device) or ``"auto"``: NCCL where this
+    PyTorch build has it and the devices are CUDA devices, else gloo."""
 
 
 def attach(
@@ -51,6 +58,8 @@ def attach(
         raise ValueError(f"CommOptions.timeout_s must be > 0, got {options.timeout_s}")
     if options.bucket_bytes < 1:
         raise ValueError(f"CommOptions.bucket_bytes must be >= 1, got {options.bucket_bytes}")
+    if options.backend not in BACKENDS:
+        raise ValueError(f"CommOptions.backend must be one of {BACKENDS}, got {options.backend!r}")
     if process_group is None:
         if not (dist.is_available() and dist.is_initialized()):
             return None
@@ -63,13 +72,30 @@ def attach(
             "steps on its own share's overflow); train in bf16 or fp32 across nodes"
         )
     timeout = None if options.timeout_s is None else datetime.timedelta(seconds=options.timeout_s)
-    comm = Comm(process_group, timeout)
+    device = session.pool.devices[0].torch_device
+    backend = choose_backend(options.backend, device)
+    comm = Comm(process_group, timeout, backend, device)
     itemsize = max((e.optim_dtype.itemsize for e in session.store.entries.values()), default=4)
     bucket_numel = max(1, options.bucket_bytes // itemsize)
     node = NodeSync(comm, session.store, _layers_of(layers), grad_reduction, bucket_numel)
     session.optimizer.node = node
     session.versions.gather = node.gather
     return node
+
+
+def choose_backend(requested: str, device: torch.device) -> str:
+    """The bucket backend for ``requested`` with the pool's first device ``device``."""
+    nccl = dist.is_nccl_available() and device.type == "cuda"
+    if requested == "nccl" and not nccl:
+        why = (
+            "this PyTorch build has no NCCL"
+            if not dist.is_nccl_available()
+            else (f"the devices are {device.type} devices, not CUDA devices")
+        )
+        raise ValueError(f"CommOptions(backend='nccl'): {why}; use 'gloo' or 'auto'")
+    if requested == "auto":
+        return "nccl" if nccl else "gloo"
+    return requested
 
 
 def _layers_of(layers: list[LayerBinding]) -> dict[int, tuple[int, ...]]:

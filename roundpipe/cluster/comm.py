@@ -4,9 +4,15 @@ Two gloo groups over the ranks of the model's process group: the caller's thread
 (call starts, losses) and the host optimizer thread (gradients, weights) issue
 collectives at the same time, each in an order every rank shares, so each needs its
 own group — two threads issuing on one group could pair different collectives
-across ranks. Every collective that fails (a peer exited, raised or timed out)
-raises :class:`PeerFailure` naming this rank and what it was doing; after the
-group's timeout at the latest, so no rank waits forever.
+across ranks. With the ``"nccl"`` backend the buckets (gradients and weights) travel
+on a third, NCCL group instead, staged through a buffer on a local GPU (NCCL moves
+device memory only); small exchanges stay on gloo. NCCL is chosen by ``"auto"`` when
+this build of PyTorch has it and the model's devices are CUDA devices.
+
+Every collective that fails (a peer exited, raised or timed out) raises
+:class:`PeerFailure` naming this rank, what it was doing and, where the rendezvous
+store tells, the ranks that did not answer; after the group's timeout at the
+latest, so no rank waits forever.
 """
 
 from __future__ import annotations
@@ -36,7 +42,13 @@ _models = itertools.count()  # models are built in the same order on every rank
 class Comm:
     """This node's side of the collectives of one model (see the module doc)."""
 
-    def __init__(self, group, timeout: datetime.timedelta | None) -> None:
+    def __init__(
+        self,
+        group,
+        timeout: datetime.timedelta | None,
+        backend: str = "gloo",
+        staging_device: torch.device | None = None,
+    ) -> None:
         ranks = dist.get_process_group_ranks(group)
         self.rank = dist.get_rank(group)
         self.world = len(ranks)
@@ -45,6 +57,11 @@ class Comm:
             kwargs["timeout"] = timeout
         self._caller = dist.new_group(ranks, **kwargs)
         self._optimizer = dist.new_group(ranks, **kwargs)
+        self.backend = backend
+        self._staging = staging_device if backend == "nccl" else None
+        self._buckets = self._optimizer
+        if backend == "nccl":
+            self._buckets = dist.new_group(ranks, **{**kwargs, "backend": "nccl"})
         self._rs_supported = True
         self._key = f"roundpipe/{next(_models)}/alive/"
         self.broken: str | None = None
@@ -82,23 +99,35 @@ class Comm:
 
     def reduce_scatter(self, out: torch.Tensor, flat: torch.Tensor, what: str) -> None:
         """``out`` = this rank's segment of the sum over ranks of ``flat``."""
-        self._timed(what, lambda: self._reduce_scatter(out, flat))
+        self._timed(what, lambda: self._staged(self._reduce_scatter, out, flat))
 
     def all_gather(self, out: torch.Tensor, segment: torch.Tensor, what: str) -> None:
         """``out`` = every rank's ``segment``, by rank."""
-        group = self._optimizer
-        self._timed(what, lambda: _all_gather(out, segment, group=group))
+
+        def gather(out: torch.Tensor, segment: torch.Tensor) -> None:
+            _all_gather(out, segment, group=self._buckets)
+
+        self._timed(what, lambda: self._staged(gather, out, segment))
+
+    def _staged(self, collective, out: torch.Tensor, source: torch.Tensor) -> None:
+        """``collective(out, source)`` on host tensors, or on device copies (NCCL)."""
+        if self._staging is None:
+            collective(out, source)
+            return
+        device_out = torch.empty(out.shape, dtype=out.dtype, device=self._staging)
+        collective(device_out, source.to(self._staging))
+        out.copy_(device_out)  # on the current stream, after the collective: host waits
 
     def _reduce_scatter(self, out: torch.Tensor, flat: torch.Tensor) -> None:
         if self._rs_supported:
             try:
-                _reduce_scatter(out, flat, group=self._optimizer)
+                _reduce_scatter(out, flat, group=self._buckets)
                 return
             except (RuntimeError, NotImplementedError) as exc:
                 if "support" not in str(exc).lower():
                     raise
                 self._rs_supported = False  # an older gloo: all-reduce, keep our segment
-        dist.all_reduce(flat, group=self._optimizer)
+        dist.all_reduce(flat, group=self._buckets)
         out.copy_(flat.view(self.world, -1)[self.rank])
 
     def _timed(self, what: str, fn: Callable[[], None]) -> None:
