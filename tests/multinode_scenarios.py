@@ -41,6 +41,7 @@ def train(
     bucket_bytes: int = 32 * 2**20,
     delay_s: float = 0.0,
     die_at_step: int | None = None,
+    die_in: str = "call",
     fail_at_step: int | None = None,
     timeout_s: float | None = None,
     clip: float | None = None,
@@ -65,8 +66,9 @@ def train(
         x, y = batch(seed=step, size=batch_size)
         x, y = x.to(model[0].weight.dtype), y.to(model[0].weight.dtype)
         xs, ys = rank_share(x, rank, world), rank_share(y, rank, world)
-        if die_at_step == step and rank == world - 1:
-            os._exit(3)  # a node lost mid-run
+        dying = die_at_step == step and rank == world - 1
+        if dying and die_in == "call":
+            os._exit(3)  # a node lost between steps
         if fail_at_step == step and rank == world - 1:
             xs = xs[:, :-1]  # a shape error inside the first layer, on this rank only
         start = time.perf_counter()
@@ -77,7 +79,8 @@ def train(
                 raise
             errors.append(f"{type(exc).__name__}: {exc}")
             continue
-        pipe.step(functools.partial(step_fn, pipe, opt, clip), is_async=is_async)
+        die = dying and die_in == "step"
+        pipe.step(functools.partial(step_fn, pipe, opt, clip, die), is_async=is_async)
         if not is_async:
             step_times.append(time.perf_counter() - start)
     pipe.synchronize()
@@ -101,7 +104,9 @@ def train(
     }
 
 
-def step_fn(pipe: RoundPipe, opt, clip: float | None) -> None:
+def step_fn(pipe: RoundPipe, opt, clip: float | None, die: bool = False) -> None:
+    if die:
+        os._exit(3)  # a node lost inside its optimizer step, while the others exchange
     if clip is not None:
         pipe.clip_grad_norm_(clip)
     opt.step()

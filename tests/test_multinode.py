@@ -111,9 +111,18 @@ def test_a_call_failing_on_one_rank_raises_on_every_rank_and_training_goes_on(tm
         assert_state_close(result["state"], want)
 
 
-def test_a_rank_that_dies_makes_the_others_raise_within_the_timeout(tmp_path):
+@pytest.mark.parametrize("die_in, is_async", [("call", False), ("step", False), ("step", True)])
+def test_a_rank_that_dies_makes_the_others_raise_within_the_timeout(tmp_path, die_in, is_async):
     codes, _, outputs = launch(
-        "train", 3, tmp_path, steps=3, die_at_step=1, timeout_s=20, timeout=90
+        "train",
+        3,
+        tmp_path,
+        steps=3,
+        die_at_step=1,
+        die_in=die_in,
+        is_async=is_async,
+        timeout_s=20,
+        timeout=90,
     )
     assert codes[2] == 3  # the node that was lost
     for code, output in zip(codes[:2], outputs[:2], strict=True):

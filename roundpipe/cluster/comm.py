@@ -147,15 +147,16 @@ class Comm:
         try:
             fn()
         except Exception as exc:
-            self.broken = f"{type(exc).__name__}: {exc}"
             silent = self._silent_ranks()
             cause = (
                 f"rank(s) {silent} did not answer: exited, hung or busy elsewhere"
                 if silent
                 else "another rank probably failed, exited or timed out"
             )
+            self.broken = f"{what}: {type(exc).__name__}: {exc}; {cause}"
             raise PeerFailure(
-                f"rank {self.rank} of {self.world}: {what} failed ({self.broken}); {cause}"
+                f"rank {self.rank} of {self.world}: {what} failed ({type(exc).__name__}: "
+                f"{exc}); {cause}"
             ) from exc
 
     def _silent_ranks(self, wait_s: float = 3.0) -> list[int] | None:
