@@ -62,6 +62,11 @@ class ParameterViews:
             return torch.nn.utils.clip_grad_norm_(
                 list(self.optim_parameters()), max_norm, norm_type
             )
+        if not self._session.optimizer.is_current():
+            raise RuntimeError(
+                "clip_grad_norm_ across nodes is a collective of the optimizer thread: call "
+                "it inside step_fn (pipe.step(lambda: (pipe.clip_grad_norm_(1.0), ...)))"
+            )
         grads = [p.grad for p in self.optim_parameters() if p.grad is not None]
         if norm_type == math.inf:
             local = max((float(g.abs().max()) for g in grads), default=0.0)
