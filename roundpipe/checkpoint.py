@@ -36,6 +36,8 @@ from typing import Any
 
 import torch
 
+from .cluster.comm import PeerFailure
+
 FORMAT = 1
 
 
@@ -77,10 +79,19 @@ class Checkpoints:
             if self._node is not None:
                 shard = {"rank": self._node.rank, "world": self._node.world}
                 path = shard_path(path, shard)
-            extra, masters, save_id = load(store, self.pool, buffers, path, optimizer,
-                                           lr_scheduler, grad_scaler, shard)  # fmt: skip
+            try:
+                extra, masters, save_id = load(store, self.pool, buffers, path, optimizer,
+                                               lr_scheduler, grad_scaler, shard)  # fmt: skip
+            except Exception:
+                if self._node is not None:  # the others must not wait for this rank
+                    self._node.comm.gather_ints([1, 0], "the checkpoint load")
+                raise
             if self._node is not None:
-                ids = [row[0] for row in self._node.comm.gather_ints([save_id], "the load")]
+                rows = self._node.comm.gather_ints([0, save_id], "the checkpoint load")
+                failed = [rank for rank, row in enumerate(rows) if row[0]]
+                if failed:
+                    raise PeerFailure(f"loading the checkpoint failed on rank(s) {failed}")
+                ids = [row[1] for row in rows]
                 if len(set(ids)) > 1:
                     raise ValueError(
                         f"the shards under {path.parent} come from different saves (a save "

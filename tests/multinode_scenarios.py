@@ -69,6 +69,8 @@ def train(
         dying = die_at_step == step and rank == world - 1
         if dying and die_in == "call":
             os._exit(3)  # a node lost between steps
+        if dying and die_in == "hang":
+            time.sleep(3600)  # a node that stops answering (killed by the test)
         if fail_at_step == step and rank == world - 1:
             xs = xs[:, :-1]  # a shape error inside the first layer, on this rank only
         start = time.perf_counter()
@@ -221,6 +223,13 @@ def resume(rank: int, *, checkpoint: str, phase: str, **_: object) -> dict:
     )
     opt = torch.optim.Adam(pipe.optim_parameters(), lr=0.01)
     first = 0
+    if phase == "broken":  # rank 1's shard lost a file
+        try:
+            pipe.load_checkpoint(checkpoint, opt)
+        except Exception as exc:
+            error = f"{type(exc).__name__}: {exc}"
+        pipe.close()
+        return {"error": error}
     if phase == "load":
         first = pipe.load_checkpoint(checkpoint, opt)["next_step"]
     for step in range(first, 4):

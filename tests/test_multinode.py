@@ -111,8 +111,14 @@ def test_a_call_failing_on_one_rank_raises_on_every_rank_and_training_goes_on(tm
         assert_state_close(result["state"], want)
 
 
-@pytest.mark.parametrize("die_in, is_async", [("call", False), ("step", False), ("step", True)])
-def test_a_rank_that_dies_makes_the_others_raise_within_the_timeout(tmp_path, die_in, is_async):
+@pytest.mark.parametrize(
+    "die_in, is_async, timeout_s",
+    [("call", False, 20), ("step", False, 20), ("step", True, 20), ("hang", False, None)],
+)
+def test_a_rank_that_dies_makes_the_others_raise_within_the_timeout(
+    tmp_path, die_in, is_async, timeout_s
+):
+    """Without ``CommOptions(timeout_s=...)`` the process group's timeout (8 s) holds."""
     codes, _, outputs = launch(
         "train",
         3,
@@ -121,9 +127,13 @@ def test_a_rank_that_dies_makes_the_others_raise_within_the_timeout(tmp_path, di
         die_at_step=1,
         die_in=die_in,
         is_async=is_async,
-        timeout_s=20,
-        timeout=90,
+        timeout_s=timeout_s,
+        pg_timeout_s=8,
+        timeout=60,
     )
+    if die_in == "hang":
+        assert outputs[2].endswith("<<killed: timeout>>")
+        codes[2] = 3
     assert codes[2] == 3  # the node that was lost
     for code, output in zip(codes[:2], outputs[:2], strict=True):
         assert code not in (0, None), output
@@ -218,6 +228,14 @@ def test_sharded_checkpoints_resume_bit_for_bit_on_the_same_number_of_nodes(tmp_
             assert torch.equal(tensor, loaded["state"][name]), name
 
     from roundpipe import RoundPipe
+
+    (checkpoint / "rank1-of-2" / "masters.safetensors").unlink()
+    codes, results, outputs = launch(
+        "resume", 2, tmp_path / "load", checkpoint=str(checkpoint), phase="broken"
+    )
+    assert codes == [0, 0], outputs
+    assert results[0]["error"] == "PeerFailure: loading the checkpoint failed on rank(s) [1]"
+    assert "masters.safetensors" in results[1]["error"]
 
     single = RoundPipe(mlp(), devices="emulated:1")
     with pytest.raises(FileNotFoundError, match="shards .* several nodes"):

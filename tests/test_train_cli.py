@@ -488,11 +488,14 @@ def test_epochs_count_whole_passes_over_the_data(files, tmp_path):
     assert prepared.total_steps == 3 * math.ceil(48 / 5)
 
 
-def test_several_processes_under_torchrun_are_refused(files, tmp_path, capsys, monkeypatch):
+def test_several_processes_without_torchruns_variables_exit_2(files, tmp_path, capsys, monkeypatch):
+    """(Training under torchrun: tests/test_train_multinode.py.)"""
     monkeypatch.setenv("WORLD_SIZE", "2")
+    for name in ("RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
     err = usage_error(capsys, "--model", files["model"], "--data", files["text"], "--output",
                       tmp_path)  # fmt: skip
-    assert "multi-node training is not supported yet" in err
+    assert "WORLD_SIZE=2 but RANK, MASTER_ADDR, MASTER_PORT not set" in err and "torchrun" in err
 
 
 @pytest.mark.parametrize(

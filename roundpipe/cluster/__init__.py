@@ -29,7 +29,8 @@ class CommOptions:
 
     timeout_s: float | None = None
     """Seconds a collective may wait for the other nodes before every rank raises
-    (None: the ``torch.distributed`` default of the process group, 30 min for gloo)."""
+    (None: the timeout ``process_group`` was created with, where PyTorch tells,
+    else its default of 30 min)."""
     bucket_bytes: int = 32 * 2**20
     """Gradients of consecutive layers travel together until a bucket holds this many
     bytes (fewer, larger messages for small layers)."""
@@ -71,7 +72,11 @@ def attach(
             "a GradScaler with several nodes is not supported yet (each node would skip "
             "steps on its own share's overflow); train in bf16 or fp32 across nodes"
         )
-    timeout = None if options.timeout_s is None else datetime.timedelta(seconds=options.timeout_s)
+    timeout = (
+        _group_timeout(process_group)
+        if options.timeout_s is None
+        else datetime.timedelta(seconds=options.timeout_s)
+    )
     device = session.pool.devices[0].torch_device
     backend = choose_backend(options.backend, device)
     comm = Comm(process_group, timeout, backend, device)
@@ -96,6 +101,14 @@ def choose_backend(requested: str, device: torch.device) -> str:
     if requested == "auto":
         return "nccl" if nccl else "gloo"
     return requested
+
+
+def _group_timeout(group) -> datetime.timedelta | None:
+    """The timeout ``group`` was created with (a private attribute: best effort)."""
+    try:
+        return group._get_backend(torch.device("cpu")).options._timeout
+    except Exception:  # noqa: BLE001 - then the torch.distributed default applies
+        return None
 
 
 def _layers_of(layers: list[LayerBinding]) -> dict[int, tuple[int, ...]]:

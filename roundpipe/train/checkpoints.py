@@ -5,22 +5,32 @@ Each checkpoint is a :meth:`RoundPipe.save_checkpoint` directory whose ``extra``
 the run's position (:class:`Position`) and its options (``run.yaml``'s record). The
 options that decide which parameters exist (:data:`~roundpipe.train.options.SHAPE_KEYS`)
 must match for ``--resume``; others may change and are reported.
+
+Under ``torchrun`` with K processes a checkpoint is sharded: rank r keeps its part in
+``step-N/rank<r>-of-<K>`` (see :func:`roundpipe.checkpoint.shard_path`). Each rank
+finds, resumes and prunes its own shards only, so it works whether or not the ranks
+share a filesystem (on a shared one they never touch the same files); ``shard`` below
+is ``{"rank", "world"}``, None for one process. A checkpoint resumes only with the
+number of processes that wrote it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import re
 import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from ..checkpoint import existing_checkpoint
+from ..checkpoint import existing_checkpoint, shard_path
 from .options import SHAPE_KEYS, TrainOptions, UsageError
 
 CHECKPOINTS_DIR = "checkpoints"
 _NAME = re.compile(r"step-(\d+)")
+_SHARD = re.compile(r"rank(\d+)-of-(\d+)")
 
 
 @dataclass(frozen=True)
@@ -35,11 +45,13 @@ class Position:
 
 @dataclass(frozen=True)
 class Found:
-    """A checkpoint ``--resume`` can continue from."""
+    """A checkpoint ``--resume`` can continue from (``path`` is ``step-N``; sharded, the
+    save id its shards share)."""
 
     path: Path
     position: Position
     options: dict[str, Any]
+    save_id: int = 0
 
 
 def checkpoint_path(output: Path, step: int) -> Path:
@@ -51,15 +63,22 @@ def extra_record(position: Position, options: TrainOptions) -> dict[str, Any]:
     return {"position": asdict(position), "options": options.run_record()}
 
 
-def complete_checkpoints(output: Path) -> list[tuple[int, Path]]:
+def complete_checkpoints(output: Path, shard: dict | None = None) -> list[tuple[int, Path]]:
     """``(step, path)`` of every checkpoint directory in ``output`` with a ``state.json``
     (at ``step-N`` or, for a save killed between its renames, ``step-N.old``), newest
-    first."""
+    first. With ``shard``: the ``step-N`` directories holding this rank's complete shard
+    (its ``state.json``, or that of the ``.old`` of a save killed between its renames)."""
     found: dict[int, Path] = {}
     root = Path(output) / CHECKPOINTS_DIR
     if not root.is_dir():
         return []
     for entry in root.iterdir():
+        if shard is not None:
+            match = _NAME.fullmatch(entry.name)
+            mine = match and shard_path(entry, shard)
+            if mine and any((d / "state.json").is_file() for d in (mine, _old(mine))):
+                found[int(match.group(1))] = entry
+            continue
         name = entry.name.removesuffix(".old")
         match = _NAME.fullmatch(name)
         if match and (entry / "state.json").is_file():
@@ -69,13 +88,50 @@ def complete_checkpoints(output: Path) -> list[tuple[int, Path]]:
     return sorted(found.items(), reverse=True)
 
 
-def resumable_checkpoints(output: Path, options: TrainOptions) -> list[Found]:
-    """The checkpoints in ``output`` whose state can be read, newest first, the newest
-    checked against ``options``; :class:`UsageError` when there is none or it belongs to
-    another model or adapter shape. (A checkpoint whose tensors then fail to load gives
-    way to the next.)"""
+def saved_worlds(output: Path) -> dict[int, set[int]]:
+    """For each step with a complete checkpoint (or a shard of one) in ``output``, the
+    numbers of processes that wrote it (1: unsharded)."""
+    worlds: dict[int, set[int]] = {}
     root = Path(output) / CHECKPOINTS_DIR
-    candidates = complete_checkpoints(output)
+    if not root.is_dir():
+        return worlds
+    for entry in root.iterdir():
+        match = _NAME.fullmatch(entry.name.removesuffix(".old"))
+        if not match or not entry.is_dir():
+            continue
+        step = int(match.group(1))
+        if (entry / "state.json").is_file():
+            worlds.setdefault(step, set()).add(1)
+        for part in entry.iterdir():
+            shard = _SHARD.fullmatch(part.name.removesuffix(".old"))
+            if shard and (part / "state.json").is_file():
+                worlds.setdefault(step, set()).add(int(shard.group(2)))
+    return worlds
+
+
+def describe_world(world: int) -> str:
+    return "one process" if world == 1 else f"{world} processes (torchrun)"
+
+
+def resumable_checkpoints(
+    output: Path, options: TrainOptions, shard: dict | None = None
+) -> list[Found]:
+    """The checkpoints in ``output`` whose state can be read, newest first, the newest
+    checked against ``options``; :class:`UsageError` when there is none, when the newest
+    was written by another number of processes, or when it belongs to another model or
+    adapter shape. (A checkpoint whose tensors then fail to load gives way to the next.)
+    With ``shard``: this rank's shards, whose tensor files are checked to be readable."""
+    root = Path(output) / CHECKPOINTS_DIR
+    world = shard["world"] if shard else 1
+    worlds = saved_worlds(output)
+    if worlds and world not in worlds[max(worlds)]:
+        newest = max(worlds)
+        saved = " and ".join(describe_world(w) for w in sorted(worlds[newest]))
+        raise UsageError(
+            f"--resume: {root / f'step-{newest}'} was written by {saved}, this run has "
+            f"{describe_world(world)}: resume with the number of processes that wrote it"
+        )
+    candidates = complete_checkpoints(output, shard)
     if not candidates:
         raise UsageError(
             f"--resume: no checkpoint in {root} to continue from (drop --resume to start a new run)"
@@ -83,24 +139,53 @@ def resumable_checkpoints(output: Path, options: TrainOptions) -> list[Found]:
     found = []
     for step, path in candidates:
         try:
-            state = existing_checkpoint(path) / "state.json"
-            extra = json.loads(state.read_text()).get("extra") or {}
-            position = Position(**extra["position"])
-            saved = extra["options"]
+            found_here = _read(path, shard)
         except (OSError, ValueError, KeyError, TypeError):
             continue  # unreadable (a damaged disk, a foreign directory): try an older one
-        if position.step == step:
-            found.append(Found(path, position, saved))
+        if found_here.position.step == step:
+            found.append(found_here)
     if not found:
         raise UsageError(
             f"--resume: none of the {len(candidates)} checkpoints in {root} is readable"
         )
-    _check_compatible(found[0].path, found[0].options, options)
+    check_compatible(found[0], options)
     return found
 
 
-def _check_compatible(path: Path, saved: dict[str, Any], options: TrainOptions) -> None:
-    now = options.run_record()
+def _read(path: Path, shard: dict | None) -> Found:
+    where = existing_checkpoint(shard_path(path, shard) if shard else path, shard)
+    state = json.loads((where / "state.json").read_text())
+    extra = state.get("extra") or {}
+    save_id = 0
+    if shard:
+        save_id = int(state["shard"]["save_id"])
+        _check_tensor_files(where)
+    return Found(path, Position(**extra["position"]), extra["options"], save_id)
+
+
+def _check_tensor_files(where: Path) -> None:
+    """Every tensor file's header reads and fits its file (a shard is loaded by all
+    ranks together: one that fails half-way would leave the others waiting)."""
+    from safetensors import SafetensorError, safe_open
+
+    for name in ("weights", "masters", "rng", "optimizer"):
+        try:
+            with safe_open(str(where / f"{name}.safetensors"), "pt") as file:
+                file.keys()
+        except SafetensorError as error:
+            raise ValueError(f"{where / name}.safetensors: {error}") from error
+
+
+def common_checkpoints(mine: list[Found], every_rank: list[list[tuple[int, int]]]) -> list[Found]:
+    """Of this rank's ``mine``, those every rank has, from the same save (the ``(step,
+    save_id)`` each rank found), newest first."""
+    shared = set.intersection(*(set(found) for found in every_rank))
+    return [found for found in mine if (found.position.step, found.save_id) in shared]
+
+
+def check_compatible(found: Found, options: TrainOptions) -> None:
+    """A :class:`UsageError` unless ``found`` trains the parameters ``options`` would."""
+    path, saved, now = found.path, found.options, options.run_record()
     differ = [key for key in SHAPE_KEYS if saved.get(key) != now.get(key)]
     if differ:
         details = "; ".join(
@@ -113,13 +198,30 @@ def _check_compatible(path: Path, saved: dict[str, Any], options: TrainOptions) 
         )
 
 
-def prune_checkpoints(output: Path, keep: int) -> list[Path]:
-    """Delete all but the ``keep`` newest complete checkpoints; returns what was deleted.
-    Called after a save completed, so the newest is never at risk."""
+def remove_checkpoint(path: Path, shard: dict | None = None) -> list[Path]:
+    """Delete checkpoint ``path`` (``step-N``; with ``shard``, this rank's shard of it,
+    then ``step-N`` itself once no rank's shard is left); returns what was deleted."""
     deleted = []
-    for _, path in complete_checkpoints(output)[keep:]:
-        for directory in (path, path.with_name(path.name + ".old")):
-            if directory.exists():
-                shutil.rmtree(directory, ignore_errors=True)
-                deleted.append(directory)
+    target = shard_path(path, shard) if shard else path
+    for directory in (target, _old(target)):
+        if directory.exists():
+            shutil.rmtree(directory, ignore_errors=True)
+            deleted.append(directory)
+    if shard:
+        with contextlib.suppress(OSError):  # only when empty: other ranks' shards may stay
+            os.rmdir(path)
     return deleted
+
+
+def prune_checkpoints(output: Path, keep: int, shard: dict | None = None) -> list[Path]:
+    """Delete all but the ``keep`` newest complete checkpoints (with ``shard``, of this
+    rank's shards); returns what was deleted. Called after a save completed (on every
+    rank), so the newest is never at risk."""
+    deleted = []
+    for _, path in complete_checkpoints(output, shard)[keep:]:
+        deleted += remove_checkpoint(path, shard)
+    return deleted
+
+
+def _old(path: Path) -> Path:
+    return path.with_name(path.name + ".old")

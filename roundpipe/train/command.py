@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from ..cluster import PeerFailure
 from .options import OPTIONS, UsageError, add_arguments, read_config, resolve
 
 DESCRIPTION = """\
@@ -22,10 +23,20 @@ metrics.jsonl, loss.png and checkpoints/step-N; --resume continues from the newe
 checkpoint there. Ctrl-C stops after the current step (a second Ctrl-C at once),
 writes a checkpoint and exits with code 130. Bad options or inputs exit with code 2
 before any training.
+
+Across K machines, one process on each, data parallel (on machine R = 0..K-1):
+  torchrun --nnodes K --node-rank R --nproc-per-node 1 --master-addr HOST0
+           --master-port 29500 -m roundpipe train --model DIR --data FILE --output DIR
+--batch-size is the global batch (each process takes its share of the rows). Rank 0
+prints and writes the metrics, the plot and the model; every rank keeps its shard of
+each checkpoint in checkpoints/step-N/rank<r>-of-<K> (resumable with the same K).
+Ctrl-C on any machine stops every process after the same step (a repeated Ctrl-C too).
+A process that fails or is lost stops the others within --dist-timeout (exit code 1).
 """
 DEMO_OUTPUT = Path("roundpipe-demo")
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
+EXIT_FAILED = 1
 
 
 class TrainingFailed(RuntimeError):
@@ -56,25 +67,32 @@ def run_train(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         print("roundpipe train: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
+    except PeerFailure as error:  # another process failed, or the network between them
+        print(f"roundpipe train: error: {error}", file=sys.stderr)
+        return EXIT_FAILED
     except ValueError as error:  # not bad input: keep it from the CLI's exit-2 handler
         raise TrainingFailed(f"training failed: {error}") from error
     return EXIT_USAGE
 
 
 def _train(command_line: dict[str, Any]) -> int:
-    from .preflight import check_packages, check_single_process, prepare
+    from .preflight import check_packages, prepare
+    from .ranks import check_several, from_environment, joined
 
     check_packages()
-    check_single_process()
+    ranks = from_environment()
     config = read_config(command_line["config"]) if command_line.get("config") else {}
     user = {**config, **command_line}
+    check_several(ranks, user.get("precision"), bool(user.get("demo")))
     demo = _prepare_demo(user) if user.get("demo") else None
     options = resolve(command_line, config, preset=demo and demo["options"])
-    prepared = prepare(options)
+    check_several(ranks, options.precision, options.demo)
+    with joined(ranks, options.dist_timeout):
+        prepared = prepare(options, ranks)
 
-    from .loop import train
+        from .loop import train
 
-    outcome = train(prepared)
+        outcome = train(prepared, ranks=ranks)
     if outcome.interrupted:
         return EXIT_INTERRUPTED
     if demo is not None:

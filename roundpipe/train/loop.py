@@ -10,11 +10,22 @@ which every checkpoint save does anyway).
 
 Ctrl-C: the first one lets the current step finish, the second abandons it; either way
 a checkpoint of the steps that ran is written and :func:`train` reports the interruption.
+
+Under ``torchrun`` (:mod:`roundpipe.train.ranks`) each of the K processes trains on its
+rows of every global batch (``torch.tensor_split`` by rank), split into the same number
+of microbatches on every rank (computed from the smallest share), and the pipe reduces
+the gradients across them: a step equals one process's step on the global batch. Rank 0
+alone prints and writes ``metrics.jsonl``, ``loss.png``, ``run.yaml`` and the tokenizer;
+every rank saves its shard of each checkpoint and takes part in ``save_pretrained``
+(rank 0 writes the model). The evaluation batches are shared round-robin among the
+ranks and their sums added up. After each step the ranks exchange their Ctrl-C flags, so
+all stop after the same step; there a Ctrl-C, also a repeated one (``torchrun`` passes on
+the terminal's), only asks to stop: a step is never abandoned on one rank alone.
 """
 
 from __future__ import annotations
 
-import shutil
+import os
 import signal
 import sys
 import threading
@@ -33,6 +44,7 @@ from .checkpoints import (
     complete_checkpoints,
     extra_record,
     prune_checkpoints,
+    remove_checkpoint,
 )
 from .optim import (
     adopt_options,
@@ -44,7 +56,8 @@ from .optim import (
 )
 from .options import TrainOptions, UsageError, changed_options, write_run_yaml
 from .preflight import Prepared
-from .progress import Progress, StepReport, open_progress
+from .progress import Progress, Silent, StepReport, open_progress
+from .ranks import Ranks
 from .report import METRICS_FILE, PLOT_FILE, MetricsLog, plot_losses
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -62,11 +75,13 @@ class StopRequest:
     """Ctrl-C while training: the first asks the loop to stop after the current step,
     the second raises ``KeyboardInterrupt`` (abandoning the step)."""
 
-    def __init__(self) -> None:
+    def __init__(self, abandon: bool = True) -> None:
         self.requested = False
+        self.abandon = abandon
+        """False: a second Ctrl-C only repeats the request (several processes)."""
 
     def _handle(self, signum: int, frame: Any) -> None:
-        if self.requested:
+        if self.requested and self.abandon:
             raise KeyboardInterrupt
         self.requested = True
 
@@ -85,10 +100,12 @@ class StopRequest:
             signal.signal(signal.SIGINT, previous)
 
 
-def build_pipe(options: TrainOptions):
+def build_pipe(options: TrainOptions, ranks: Ranks | None = None):
     """The model of ``options`` as an ``HFRoundPipe``, with the ``GradScaler`` an fp16
-    model trains with (else ``None``)."""
+    model trains with (else ``None``). Under ``torchrun`` (``ranks``), data parallel over
+    the world group, whose collectives time out after ``--dist-timeout``."""
     from roundpipe import RoundPipe, RoundPipeRunConfig
+    from roundpipe.cluster import CommOptions
 
     lora = None
     if not options.full:
@@ -103,7 +120,10 @@ def build_pipe(options: TrainOptions):
             task_type="CAUSAL_LM",
         )
     scaler = torch.amp.GradScaler("cpu") if options.precision == "fp16" else None
-    torch.manual_seed(options.seed)  # the adapters' initialisation
+    several = {}
+    if ranks is not None and ranks.world > 1:
+        several["comm_options"] = CommOptions(timeout_s=options.dist_timeout)
+    torch.manual_seed(options.seed)  # the adapters' initialisation (alike on every rank)
     with quiet_transformers():
         pipe = RoundPipe.from_pretrained(
             options.model,
@@ -112,6 +132,7 @@ def build_pipe(options: TrainOptions):
             devices=options.devices,
             model_run_config=RoundPipeRunConfig(num_microbatch=options.microbatches),
             grad_scaler=scaler,
+            **several,
         )
     return pipe, scaler
 
@@ -129,32 +150,43 @@ def quiet_transformers() -> Iterator[None]:
         yield
 
 
-def mean_token_loss(pipe, batches) -> float:
+def mean_token_loss(pipe, batches, ranks: Ranks | None = None) -> float:
     """The mean cross-entropy over every label token of ``batches`` (all of its first
     epoch), without gradients and through the head's chunked loss; the pipe is
-    synchronized first, so the newest weights answer."""
+    synchronized first, so the newest weights answer. Under ``torchrun`` rank r
+    evaluates batches r, r + K, ... and the ranks' sums are added (every rank returns
+    the whole set's mean)."""
+    ranks = ranks or Ranks()
     pipe.synchronize()
     total, count = 0.0, 0
-    for index in range(batches.steps_per_epoch):
+    for index in range(ranks.rank, batches.steps_per_epoch, ranks.world):
         tokens = batches.num_label_tokens(index)
         total += float(pipe.eval_loss(batches.batch(index))) * tokens
         count += tokens
+    if ranks.world > 1:
+        total, count = ranks.sum([total, count], "the evaluation sums")
     return total / count
 
 
 class Run:
     """One invocation of ``roundpipe train`` from model loading to the saved result."""
 
-    def __init__(self, prepared: Prepared, stream: TextIO | None = None) -> None:
+    def __init__(
+        self, prepared: Prepared, stream: TextIO | None = None, ranks: Ranks | None = None
+    ) -> None:
         self.prepared = prepared
         self.options = prepared.options
         self.total = prepared.total_steps
         self.stream = stream or sys.stdout
+        self.ranks = ranks or Ranks()
+        self.main = self.ranks.main
         self.output = self.options.output
-        self.metrics = MetricsLog(self.output / METRICS_FILE)
+        self.metrics = MetricsLog(self.output / METRICS_FILE, write=self.main)
         self.progress: Progress | None = None
 
     def say(self, text: str) -> None:
+        if not self.main:
+            return
         if self.progress is not None:
             self.progress.message(text)
         else:
@@ -163,26 +195,33 @@ class Run:
     def train(self) -> Outcome:
         o = self.options
         self.output.mkdir(parents=True, exist_ok=True)
-        write_run_yaml(o, self.output / "run.yaml")
+        if self.main:
+            write_run_yaml(o, self.output / "run.yaml")
         for note in self.prepared.notes:
             self.say(note)
-        pipe, scaler = build_pipe(o)
+        pipe, scaler = build_pipe(o, self.ranks)
         with pipe:
             self.pipe, self.scaler = pipe, scaler
             params = list(pipe.optim_parameters())
             self.optimizer = build_optimizer(params, o.lr, o.weight_decay)
             self.scheduler = build_scheduler(self.optimizer, o.warmup_steps, self.total, o.schedule)
             self.step_fn = step_function(
-                self.optimizer, self.scheduler, params, o.grad_clip, scaler
+                self.optimizer, self.scheduler, pipe.clip_grad_norm_, o.grad_clip, scaler
             )
             start = self._resume() if self.prepared.resume_from else self._start_fresh()
             self.saved_step = start.step if self.prepared.resume_from else None
+            where = o.devices
+            if self.ranks.world > 1:
+                where = f"{self.ranks.world} processes ({o.devices} each)"
+            trainable = sum(p.numel() for p in pipe.hf_model.parameters() if p.requires_grad)
             self.say(
                 f"training {'all weights' if o.full else 'a LoRA adapter'} of {o.model.name} "
-                f"({sum(p.numel() for p in params):,} trainable parameters) on {o.devices}, "
+                f"({trainable:,} trainable parameters) on {where}, "
                 f"{o.precision}, steps {start.step + 1}-{self.total}"
             )
-            self.progress = open_progress(self.total, start.step, self.stream)
+            self.progress = (
+                open_progress(self.total, start.step, self.stream) if self.main else Silent()
+            )
             try:
                 position, interrupted = self._loop(start)
             finally:
@@ -196,19 +235,24 @@ class Run:
         return Outcome(position.step, interrupted=False)
 
     def _start_fresh(self) -> Position:
-        for _, path in complete_checkpoints(self.output):  # an earlier demo run's (see prepare)
-            shutil.rmtree(path, ignore_errors=True)
-            shutil.rmtree(path.with_name(path.name + ".old"), ignore_errors=True)
+        shard = self.ranks.shard
+        for _, path in complete_checkpoints(self.output, shard):  # an earlier demo run's
+            remove_checkpoint(path, shard)
         self.metrics.start_fresh()
         return Position(step=0, tokens=0, elapsed_s=0.0)
 
     def _resume(self) -> Position:
-        for found in self.prepared.resume_from:
+        # Several processes load together: one failing would leave the others waiting in
+        # the load, so they try only the checkpoint preflight checked on every rank.
+        candidates = self.prepared.resume_from[: 1 if self.ranks.world > 1 else None]
+        for found in candidates:
             try:
                 self.pipe.load_checkpoint(
                     found.path, self.optimizer, self.scheduler, grad_scaler=self.scaler
                 )
             except (OSError, ValueError, KeyError, RuntimeError) as error:
+                if self.ranks.world > 1:
+                    raise
                 self.say(f"cannot load {found.path} ({error}); trying an older checkpoint")
                 continue
             adopt_options(
@@ -227,18 +271,23 @@ class Run:
     def _loop(self, position: Position) -> tuple[Position, bool]:
         """Train from ``position`` to the end, or until Ctrl-C; returns where it stopped
         and whether it was interrupted (a checkpoint of that step is then written)."""
-        stop = StopRequest()
+        several = self.ranks.world > 1 or "TORCHELASTIC_RUN_ID" in os.environ
+        stop = StopRequest(abandon=not several)
         self.session_start = time.monotonic()
         self.elapsed_before = position.elapsed_s
         self.mark = self.session_start
+        stopping = False  # agreed by every rank after each step
         with stop.installed():
             try:
-                while position.step < self.total and not stop.requested:
+                while position.step < self.total and not stopping:
                     position = self._step(position)
-                if not stop.requested:
+                    stopping = self.ranks.any(stop.requested, "the Ctrl-C flag exchange")
+                if not stopping:
                     return position, False
                 self.say(f"Ctrl-C: stopped after step {position.step}")
             except KeyboardInterrupt:
+                if self.ranks.world > 1:
+                    raise  # no checkpoint: the others stop at their next collective
                 position = self._after_abandoned_step(position)
         if position.step != self.saved_step:
             self._save_checkpoint(position)
@@ -250,9 +299,10 @@ class Run:
         batches = self.prepared.train_batches
         batch = batches.batch(index)
         default_split = self.pipe.run_config.num_microbatch or len(self.pipe.pool) + 1
-        split = min(default_split, batch["input_ids"].shape[0])
-        config = replace(self.pipe.run_config, num_microbatch=split)
-        pending_loss = self.pipe.forward_backward(input_kwargs=batch, run_config=config)
+        smallest_share = batch["input_ids"].shape[0] // self.ranks.world
+        config = replace(self.pipe.run_config, num_microbatch=min(default_split, smallest_share))
+        share = self.ranks.share(batch)
+        pending_loss = self.pipe.forward_backward(input_kwargs=share, run_config=config)
         self.pipe.step(self.step_fn, is_async=not o.sync)  # queued before the loss is read
         loss = float(pending_loss)
         now = time.monotonic()
@@ -262,7 +312,7 @@ class Run:
         eval_loss = None
         evaluate = o.eval_every is not None and step % o.eval_every == 0
         if self.prepared.eval_batches is not None and (evaluate or step == self.total):
-            eval_loss = mean_token_loss(self.pipe, self.prepared.eval_batches)
+            eval_loss = mean_token_loss(self.pipe, self.prepared.eval_batches, self.ranks)
         lr = o.lr * lr_factor(index, o.warmup_steps, self.total, o.schedule)
         record = {"step": step, "loss": loss, "lr": lr, "tokens": position.tokens,
                   "tokens_per_s": tokens_per_s, "elapsed_s": position.elapsed_s}  # fmt: skip
@@ -302,22 +352,26 @@ class Run:
             extra=extra_record(position, self.options),
         )
         self.saved_step = position.step
-        prune_checkpoints(self.output, self.options.keep_checkpoints)
+        prune_checkpoints(self.output, self.options.keep_checkpoints, self.ranks.shard)
         self._plot()
 
     def _plot(self) -> None:
-        plot_losses(self.metrics.records(), self.output / PLOT_FILE, title=self.options.model.name)
+        if self.main:
+            title = self.options.model.name
+            plot_losses(self.metrics.records(), self.output / PLOT_FILE, title=title)
 
     def _save_result(self) -> None:
         """The adapter (LoRA) or the model (``--full``) with its tokenizer, so that
         ``--output`` loads on its own."""
         with quiet_transformers():
-            self.pipe.save_pretrained(self.output)
-        self.prepared.tokenizer.save_pretrained(self.output)
+            self.pipe.save_pretrained(self.output)  # collective: rank 0 writes
+        if self.main:
+            self.prepared.tokenizer.save_pretrained(self.output)
         what = "model" if self.options.full else "LoRA adapter"
         self.say(f"saved the {what} and its tokenizer to {self.output}")
 
 
-def train(prepared: Prepared, stream: TextIO | None = None) -> Outcome:
-    """Run ``prepared`` (see :class:`Run`); progress and messages go to ``stream``."""
-    return Run(prepared, stream).train()
+def train(prepared: Prepared, stream: TextIO | None = None, ranks: Ranks | None = None) -> Outcome:
+    """Run ``prepared`` (see :class:`Run`); progress and messages go to ``stream`` (on
+    rank 0 of ``ranks``, the processes of a ``torchrun`` launch)."""
+    return Run(prepared, stream, ranks).train()

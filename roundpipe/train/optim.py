@@ -65,19 +65,21 @@ def adopt_options(
 def step_function(
     optimizer: torch.optim.Optimizer,
     scheduler: torch.optim.lr_scheduler.LRScheduler,
-    params: list[torch.nn.Parameter],
+    clip_grad_norm: Callable[[float], object],
     grad_clip: float,
     scaler: torch.amp.GradScaler | None,
 ) -> Callable[[], None]:
-    """One optimizer step on the masters: unscale (fp16), clip the global gradient norm,
-    step (skipped by the scaler on overflow), clear the gradients, advance the schedule.
-    ``scheduler.last_epoch`` therefore counts the steps that ran."""
+    """One optimizer step on the masters: unscale (fp16), clip the global gradient norm
+    with ``clip_grad_norm`` (the pipe's: over every node's gradients, and on one node
+    ``torch.nn.utils.clip_grad_norm_`` over the masters), step (skipped by the scaler on
+    overflow), clear the gradients, advance the schedule. ``scheduler.last_epoch``
+    therefore counts the steps that ran."""
 
     def step() -> None:
         if scaler is not None:
             scaler.unscale_(optimizer)
         if grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(params, grad_clip)
+            clip_grad_norm(grad_clip)
         if scaler is not None:
             scaler.step(optimizer)
             scaler.update()

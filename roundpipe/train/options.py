@@ -24,7 +24,7 @@ SCHEDULES = ("cosine", "linear", "constant")
 DEVICE_SPEC = re.compile(r"cuda(:\d+(,\d+)*)?|emulated:[1-9]\d*")
 SHAPE_KEYS = ("model", "full", "lora_r", "lora_targets")
 """Options a checkpoint must agree with: they decide which parameters exist."""
-INVOCATION_KEYS = ("config", "demo", "resume")
+INVOCATION_KEYS = ("config", "demo", "resume", "dist_timeout")
 """Options about how this command was started, not about the run (left out of run.yaml)."""
 
 
@@ -92,7 +92,20 @@ OPTIONS: tuple[Option, ...] = (
         PRECISIONS,
     ),
     Option("sync", None, False, "exact synchronous optimizer steps (default: async)", _RUN),
-    Option("microbatches", int, None, "microbatches per step (default: devices + 1)", _RUN),
+    Option(
+        "microbatches",
+        int,
+        None,
+        "microbatches per step and process (default: devices + 1)",
+        _RUN,
+    ),
+    Option(
+        "dist-timeout",
+        float,
+        600.0,
+        "under torchrun: seconds a process waits for the others before it fails",
+        _RUN,
+    ),
     Option(
         "steps",
         int,
@@ -119,7 +132,8 @@ _BY_KEY = {option.key: option for option in OPTIONS}
 _METAVARS = {
     "model": "DIR", "data": "FILE", "output": "DIR", "eval_data": "FILE", "config": "FILE",
     "lora_r": "R", "lora_alpha": "ALPHA", "lora_targets": "NAMES", "lora_dropout": "P",
-    "devices": "SPEC", "microbatches": "M", "steps": "N", "epochs": "E", "batch_size": "B",
+    "devices": "SPEC", "microbatches": "M", "dist_timeout": "SECONDS", "steps": "N",
+    "epochs": "E", "batch_size": "B",
     "seq_len": "S", "seed": "SEED", "lr": "LR", "warmup_steps": "W", "grad_clip": "NORM",
     "weight_decay": "WD", "eval_every": "N", "save_every": "N", "keep_checkpoints": "K",
 }  # fmt: skip
@@ -144,6 +158,7 @@ class TrainOptions:
     precision: str | None
     sync: bool
     microbatches: int | None
+    dist_timeout: float
     steps: int | None
     epochs: int | None
     batch_size: int
@@ -309,7 +324,7 @@ def check(options: TrainOptions, given: set[str]) -> None:
     for key in ("lora_r", "steps", "epochs", "batch_size", "seq_len", "microbatches",
                 "eval_every", "save_every", "keep_checkpoints"):  # fmt: skip
         _check_at_least(key, getattr(o, key), 1)
-    for key in ("lr", "lora_alpha"):
+    for key in ("lr", "lora_alpha", "dist_timeout"):
         if getattr(o, key) <= 0:
             raise UsageError(f"{_flag(key)} must be positive, got {getattr(o, key)}")
     for key in ("warmup_steps", "grad_clip", "weight_decay"):

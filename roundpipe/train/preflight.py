@@ -7,14 +7,20 @@ option, raised before the model is built.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from ..hf.safetensors_io import INDEX_FILE, SINGLE_FILE
-from .checkpoints import Found, complete_checkpoints, resumable_checkpoints
+from .checkpoints import (
+    Found,
+    check_compatible,
+    common_checkpoints,
+    resumable_checkpoints,
+    saved_worlds,
+)
 from .options import TrainOptions, UsageError
+from .ranks import Ranks
 
 DEFAULT_SEQ_LEN = 1024
 WEIGHT_FILES = (SINGLE_FILE, INDEX_FILE)  # what RoundPipe.from_pretrained loads
@@ -52,18 +58,24 @@ def check_packages() -> None:
         )
 
 
-def check_single_process() -> None:
-    """Under ``torchrun`` with several processes every rank would train the same model."""
-    world_size = os.environ.get("WORLD_SIZE", "1")
-    if world_size.strip() not in ("", "1"):
-        raise UsageError(
-            f"multi-node training is not supported yet (WORLD_SIZE={world_size}): run one "
-            "process, which drives every GPU of this machine (--devices cuda)"
+def prepare(options: TrainOptions, ranks: Ranks | None = None) -> Prepared:
+    """Read and check everything the run needs; see the module docstring. Under
+    ``torchrun`` every rank checks its own view (data, model, its checkpoint shards) and
+    they agree: a problem on one rank stops every rank with exit code 2."""
+    ranks = ranks or Ranks()
+    prepared = ranks.agree(lambda: _prepare(options, ranks), "the checks before training")
+    if ranks.world > 1 and prepared.resume_from:
+        every = ranks.gather(
+            [(found.position.step, found.save_id) for found in prepared.resume_from],
+            "the checkpoint search",
         )
+        prepared.resume_from = ranks.agree(
+            lambda: _common_checkpoints(prepared, every), "the choice of the checkpoint"
+        )
+    return prepared
 
 
-def prepare(options: TrainOptions) -> Prepared:
-    """Read and check everything the run needs; see the module docstring."""
+def _prepare(options: TrainOptions, ranks: Ranks) -> Prepared:
     options = replace(
         options,
         model=Path(options.model).absolute(),
@@ -82,25 +94,64 @@ def prepare(options: TrainOptions) -> Prepared:
         eval_batches = _batches(options, tokenizer, options.eval_data, False, notes)
     epochs = options.epochs if options.steps is None else None
     total = options.steps or (epochs or 1) * train_batches.steps_per_epoch
+    _check_rows(train_batches, total, ranks.world)
     resume_from: list[Found] = []
-    earlier = complete_checkpoints(options.output)
+    earlier = saved_worlds(options.output)
     if earlier and not options.resume:
         if not options.demo:
             raise UsageError(
                 f"--output {options.output} holds checkpoints of an earlier run (step "
-                f"{earlier[0][0]}): continue it with --resume, or choose another --output "
+                f"{max(earlier)}): continue it with --resume, or choose another --output "
                 "(or delete it) to start over"
             )
         notes.append("starting the demo over: the checkpoints of the earlier run are removed")
     if options.resume:
-        resume_from = resumable_checkpoints(options.output, options)
-        done = resume_from[0].position.step
-        if done > total:
-            raise UsageError(
-                f"--resume: {resume_from[0].path} is at step {done}, past the {total} "
-                "steps of this run (raise --steps)"
-            )
+        resume_from = resumable_checkpoints(options.output, options, ranks.shard)
+        _check_resume_step(resume_from[0], total)
     return Prepared(options, tokenizer, train_batches, eval_batches, total, resume_from, notes)
+
+
+def _check_rows(batches, total: int, world: int) -> None:
+    """Under ``torchrun`` every batch must give each process at least one row."""
+    if world == 1:
+        return
+    rows, size = len(batches.rows), batches.batch_size
+    last = rows - (batches.steps_per_epoch - 1) * size
+    if size < world:
+        raise UsageError(
+            f"--batch-size {size} with {world} processes: each process takes its share of "
+            f"every batch's rows, so a batch needs at least {world}"
+        )
+    if last < world and total >= batches.steps_per_epoch:
+        raise UsageError(
+            f"--batch-size {size} with {world} processes: the last batch of each epoch has "
+            f"{last} of the {rows} rows, fewer than the {world} a batch needs (one share per "
+            "process); choose a batch size that leaves a larger last batch"
+        )
+
+
+def _check_resume_step(found: Found, total: int) -> None:
+    done = found.position.step
+    if done > total:
+        raise UsageError(
+            f"--resume: {found.path} is at step {done}, past the {total} steps of this run "
+            "(raise --steps)"
+        )
+
+
+def _common_checkpoints(prepared: Prepared, every: list[list[tuple[int, int]]]) -> list[Found]:
+    """The checkpoints every rank has a shard of, from the same save, newest first."""
+    common = common_checkpoints(prepared.resume_from, every)
+    if not common:
+        newest = ", ".join(f"rank {rank}: step {found[0][0]}" for rank, found in enumerate(every))
+        raise UsageError(
+            f"--resume: no checkpoint in {prepared.options.output / 'checkpoints'} has a "
+            f"shard of the same save on every rank (the newest by rank: {newest})"
+        )
+    if common[0] is not prepared.resume_from[0]:
+        check_compatible(common[0], prepared.options)
+        _check_resume_step(common[0], prepared.total_steps)
+    return common
 
 
 def _check_model_files(model: Path) -> None:

@@ -73,6 +73,19 @@ class Progress:
         pass
 
 
+class Silent(Progress):
+    """No output (the ranks other than 0 under ``torchrun``)."""
+
+    def __init__(self) -> None:
+        super().__init__(total=0, initial=0)
+
+    def update(self, report: StepReport) -> None:
+        pass
+
+    def message(self, text: str) -> None:
+        pass
+
+
 class TqdmProgress(Progress):
     def __init__(self, total: int, initial: int, stream: TextIO | None = None) -> None:
         from tqdm import tqdm

@@ -17,8 +17,10 @@ class MetricsLog:
     """``metrics.jsonl``: appended one line per step, flushed at once, so a reader (or a
     crash) sees whole lines only."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, write: bool = True) -> None:
         self.path = Path(path)
+        self.write = write
+        """False: reading only, every write skipped (the ranks other than 0)."""
 
     def records(self) -> list[dict[str, Any]]:
         """Every complete line (a torn last line, left by a kill, is skipped)."""
@@ -45,11 +47,15 @@ class MetricsLog:
         self._write([])
 
     def append(self, record: dict[str, Any]) -> None:
+        if not self.write:
+            return
         with open(self.path, "a") as file:
             file.write(json.dumps(record) + "\n")
             file.flush()
 
     def _write(self, records: Iterable[dict[str, Any]]) -> None:
+        if not self.write:
+            return
         tmp = self.path.with_name(self.path.name + ".tmp")
         tmp.write_text("".join(json.dumps(r) + "\n" for r in records))
         os.replace(tmp, self.path)
