@@ -1,12 +1,11 @@
-"""The automatic plan against hand-tuned plans on 50 randomised profiles (slow: about
-14 minutes on two cores; run with ``scripts/test.sh -m slow``).
+"""The automatic plan against hand-tuned ones on 50 randomised profiles (slow: about a
+minute on two cores; run with ``scripts/test.sh -m slow``).
 
 For each profile of ``roundpipe.sim.profiles`` (fixed seeds) the automatic plan's
-simulated steady-state iteration time must not exceed the paper's greedy rule's, and
-must come within ``EQUAL_SIZE_SLACK`` of the best plan with equal-size stages (every
-fused size and stage size, searched exhaustively: a plan whose lower bound is above the
-incumbent cannot win). The issue asks for no slack there; the README says how far the
-planner still is from that.
+simulated steady-state iteration time must not exceed the paper's greedy rule's, nor
+the best plan with equal-size stages (every fused size and stage size, searched
+exhaustively: a plan whose lower bound, cheap or job-level, is not below the automatic
+plan's time cannot beat it, so it is not simulated).
 """
 
 from __future__ import annotations
@@ -22,8 +21,6 @@ from roundpipe.partition import (
 from roundpipe.sim.bounds import PlanBounds
 from roundpipe.sim.profiles import random_profile
 
-EQUAL_SIZE_SLACK = 0.03
-
 
 @pytest.mark.slow
 @pytest.mark.parametrize("seed", range(50))
@@ -37,8 +34,9 @@ def test_the_automatic_plan_against_hand_tuned_ones(seed: int) -> None:
     auto = steady(auto_plan(costs, devices, micro, round_size=micro))
     assert auto <= steady(paper_greedy_plan(costs.layers)) * (1 + 1e-9)
     bounds = PlanBounds(costs, devices, micro, round_size=micro)
-    goal = auto / (1 + EQUAL_SIZE_SLACK)
+    goal = auto * (1 - 1e-9)
     for plan in sorted(equal_size_plans(costs.layers.num_layers), key=bounds.of):
         if bounds.of(plan) >= goal:
             break
-        assert steady(plan) >= goal, f"{plan} is more than {EQUAL_SIZE_SLACK:.0%} faster"
+        if bounds.tight(plan) < goal:
+            assert steady(plan) >= goal, f"{plan} is faster than the automatic plan"

@@ -62,6 +62,9 @@ def test_the_profiler_measures_the_emulated_link_and_the_boundary_activation_siz
         assert profiler.bandwidth("h2d") == pytest.approx(H2D_GBPS * 1e9, rel=0.3)
         assert profiler.bandwidth("d2h") == pytest.approx(D2H_GBPS * 1e9, rel=0.3)
         assert profiler.boundary_bytes() == ROWS * WIDTH * 4  # one microbatch, fp32
+        # what the memory fit counts per layer (the issuer does not say which layer's
+        # input a download is, so every layer takes the largest seen)
+        assert profiler.activation_bytes() == (ROWS * WIDTH * 4,) * 6
         planned_with = pipe.planner.costs
         assert planned_with is not None and planned_with.comm > 0
         assert planned_with.h2d_bandwidth < math.inf

@@ -2,11 +2,14 @@
 
 Plans are scored with every cost the profiler measured: per-layer compute, the link's
 bandwidth in each direction (weight uploads in the call's chunk size) and the time an
-activation takes to hop between stages. The partitioner runs again only when
-measurements moved materially since the last time it ran (``should_replan`` for the
-layers, :func:`link_moved` for the link), and its new choice replaces the current plan only
-if the simulator predicts it to be clearly faster under the new measurements, so
-near-ties measured with noise do not make the plan flip back and forth. While the
+activation takes to hop between stages; with memory budgets, plans must fit them with
+the activation bytes per microbatch measured at each layer's input. The partitioner runs
+again only when measurements moved materially since the last time it ran
+(``should_replan`` for the layers, :func:`link_moved` for the link,
+:func:`activations_moved` under budgets), and its new choice replaces the current plan only
+if the simulator predicts it to be clearly faster under the new measurements (or the
+current plan no longer fits the memory budgets), so near-ties measured with noise do not
+make the plan flip back and forth. While the
 plan keeps standing, checks become rarer (every 1, 2, 4, ... calls), so noisy
 measurements of tiny layers do not cost a partitioner run on every call.
 
@@ -22,7 +25,7 @@ import math
 import threading
 from collections.abc import Callable, Sequence
 
-from ..partition import auto_plan, predict_iteration_time, should_replan
+from ..partition import auto_plan, fits, predict_iteration_time, should_replan
 from ..plan import Plan
 from ..sim.costs import CostModel
 from .profiler import LayerProfiler
@@ -81,7 +84,8 @@ class AutoPlanner:
             return self._plan
         self._calls_since_check = 0
         costs = self.profiler.cost_model(weight_chunk_bytes)
-        if not (should_replan(self._costs.layers, costs.layers) or link_moved(self._costs, costs)):
+        moved = should_replan(self._costs.layers, costs.layers) or link_moved(self._costs, costs)
+        if not (moved or (self.budgets is not None and activations_moved(self._costs, costs))):
             return self._plan
         self._costs = costs
         current, budgets = self._plan, self.budgets
@@ -127,6 +131,13 @@ def link_moved(old: CostModel, new: CostModel, threshold: float = LINK_THRESHOLD
     return any(_moved(before, after, threshold) for before, after in pairs)
 
 
+def activations_moved(old: CostModel, new: CostModel, threshold: float = LINK_THRESHOLD) -> bool:
+    """Whether some layer's activation bytes per microbatch (what the memory fit counts)
+    moved by more than ``threshold`` of the old value (a first measurement counts)."""
+    pairs = zip(old.layers.activation_bytes, new.layers.activation_bytes, strict=True)
+    return any(_moved(float(before), float(after), threshold) for before, after in pairs)
+
+
 def _moved(before: float, after: float, threshold: float) -> bool:
     if before == after:
         return False
@@ -139,11 +150,13 @@ def _better_plan(
     costs: CostModel, key: tuple[int, int, int | None], current: Plan, budgets
 ) -> Plan | None:
     """The partitioner's choice under ``costs`` if it is predicted clearly faster than
-    ``current``, else ``None``."""
+    ``current`` or ``current`` no longer fits the budgets, else ``None``."""
     candidate = _auto_plan(costs, *key[:2], budgets)
-    if candidate != current and _predict(candidate, costs, key) < (1 - MIN_GAIN) * _predict(
-        current, costs, key
-    ):
+    if candidate == current:
+        return None
+    if not fits(current, costs, budgets):
+        return candidate
+    if _predict(candidate, costs, key) < (1 - MIN_GAIN) * _predict(current, costs, key):
         return candidate
     return None
 

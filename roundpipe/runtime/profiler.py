@@ -8,10 +8,13 @@ forward).
 
 The link is measured from the transfers the runtime already does (weight-chunk
 uploads, activation and gradient downloads), timed on their streams like compute:
-host→device and device→host bandwidth, smoothed the same way, and the mean size of
-one microbatch's activation at a stage boundary. :meth:`LayerProfiler.cost_model`
-hands all of it to the partitioner; until a direction is measured its bandwidth is
-infinite and activation hops are free.
+host→device and device→host bandwidth, smoothed the same way, and the size of one
+microbatch's activation at a stage boundary: the mean prices an activation hop, the
+largest seen at each layer's input is the activation memory a stage holds per
+microbatch for that layer, which the partitioner's memory fit counts (a stage must fit
+in half a device's budget). :meth:`LayerProfiler.cost_model` hands all of it to the
+partitioner; until a direction is measured its bandwidth is infinite and activation
+hops are free.
 """
 
 from __future__ import annotations
@@ -37,10 +40,14 @@ class TransferTiming:
     """One transfer op's device time and bytes. :meth:`measure` runs inside the op (which
     also sets ``nbytes``); the profiler reads the timer only after the op completed."""
 
-    def __init__(self, device: Device, link: str, boundary: bool = False) -> None:
+    def __init__(
+        self, device: Device, link: str, boundary: bool = False, layer: int | None = None
+    ) -> None:
         self.link = link
         self.boundary = boundary
         """The transfer is one microbatch's activation at a stage boundary."""
+        self.layer = layer
+        """For a boundary: the layer whose input it is (None: not known)."""
         self.nbytes = 0
         self._device = device
         self._timer = None
@@ -77,6 +84,8 @@ class LayerProfiler:
         self._bandwidth: dict[str, float | None] = dict.fromkeys(LINKS)
         self._boundary_total = 0
         self._boundary_count = 0
+        self._boundary_max = 0
+        self._layer_inputs: list[int | None] = [None] * len(param_counts)
 
     @classmethod
     def for_modules(cls, modules: Sequence[nn.Module]) -> LayerProfiler:
@@ -117,16 +126,21 @@ class LayerProfiler:
         """The exponentially smoothed series after ``value`` (the first value as is)."""
         return value if old is None else old + self.smoothing * (value - old)
 
-    def record_boundary(self, nbytes: int) -> None:
-        """Add one microbatch's activation size seen at a stage boundary."""
+    def record_boundary(self, nbytes: int, layer: int | None = None) -> None:
+        """Add one microbatch's activation size seen at a stage boundary (the input of
+        ``layer``, when known)."""
         with self._lock:
             self._boundary_total += nbytes
             self._boundary_count += 1
+            self._boundary_max = max(self._boundary_max, nbytes)
+            if layer is not None and 0 <= layer < len(self._layer_inputs):
+                seen = self._layer_inputs[layer]
+                self._layer_inputs[layer] = nbytes if seen is None else max(seen, nbytes)
 
     def record_timing(self, timing: TransferTiming) -> None:
         """Add a completed transfer op's measurements."""
         if timing.boundary:
-            self.record_boundary(timing.nbytes)
+            self.record_boundary(timing.nbytes, timing.layer)
         self.record_transfer(timing.link, timing.nbytes, timing.seconds())
 
     def bandwidth(self, link: str) -> float:
@@ -141,6 +155,15 @@ class LayerProfiler:
             if not self._boundary_count:
                 return 0
             return round(self._boundary_total / self._boundary_count)
+
+    def activation_bytes(self) -> tuple[int, ...]:
+        """Per layer, one microbatch's activation at its input: what a stage holds per
+        microbatch for each of its layers (a recompute keeps every layer's input). The
+        largest size seen at that boundary; for a layer whose input was never seen, the
+        largest seen at any boundary (0 before any)."""
+        with self._lock:
+            largest = self._boundary_max
+            return tuple(largest if b is None else b for b in self._layer_inputs)
 
     def _forward_shares(self, layers: Sequence[int]) -> list[float]:
         forward = self.forward_seconds()
@@ -173,6 +196,7 @@ class LayerProfiler:
             forward=tuple(forward),
             backward=tuple(backward),
             param_bytes=tuple(self.param_bytes),
+            activation_bytes=self.activation_bytes(),
             recompute=tuple(recompute),
             boundary_bytes=self.boundary_bytes(),
         )

@@ -31,7 +31,7 @@ from contextlib import contextmanager
 from ..plan import Plan
 from ..schedule import Schedule, lower
 from ..timeline import Timeline
-from . import engine
+from . import engine, walk
 from .bounds import PlanBounds
 from .costs import CostModel
 from .result import SimResult, bubbles, busy_time, compute_makespan, peak_memory
@@ -39,12 +39,15 @@ from .rounds import BOOKKEEPING, Config, Simulation, round_sizes  # noqa: F401 (
 
 WARMUP_ITERATIONS = 3
 MEASURED_ITERATIONS = 4
-"""The steady state is the mean of the iterations after the warm-up ones. The cost
-model treats devices alike, so a cursor that moved on only relabels the devices and
-iterations soon repeat, alone or in short cycles (two and four iterations are seen);
-a test checks the estimate against long runs. A host optimizer slower than the
-devices makes a backlog that grows for many iterations before it binds, so the
-asynchronous steady state is at least the optimizer's time per step."""
+"""The steady state is the mean of the iterations after the warm-up ones, in a run where
+one more iteration follows (a run's last iteration ends early: nothing prefetches its
+weights behind it). The cost model treats devices alike, so a cursor that moved on only
+relabels the devices and iterations soon repeat, alone or in short cycles (two, three
+and four iterations are seen); a test checks the estimate against long runs. The
+estimate is never below the plan's bounds (``PlanBounds.tight``): a host optimizer
+slower than the devices makes a backlog that grows for many iterations before it binds,
+and a cycle the measured iterations cut short is seen by the job-level bound's longer
+run."""
 
 
 def round_schedules(
@@ -111,18 +114,66 @@ def steady_iteration_time(
     round_size: int | None = None,
     is_async: bool = True,
 ) -> float:
-    """Seconds per iteration once iterations follow each other (the partitioner's objective)."""
+    """Seconds per iteration once iterations follow each other (the partitioner's
+    objective): :func:`steady_mean`, never below the plan's bounds."""
     round_size = round_size or num_devices
-    config = Config(plan, costs, num_devices, round_size, is_async, record=False)
-    sim = Simulation(config)
-    warm, measured = WARMUP_ITERATIONS, MEASURED_ITERATIONS
-    with _gc_paused():
-        ends = sim.iteration_ends(num_microbatches, warm + measured)
-    mean = (ends[-1] - ends[warm - 1]) / measured
+    mean = steady_mean(
+        plan, costs, num_devices, num_microbatches, round_size=round_size, is_async=is_async
+    )
     bounds = PlanBounds(
         costs, num_devices, num_microbatches, round_size=round_size, is_async=is_async
     )
-    return max(mean, bounds.of(plan))
+    return max(mean, bounds.tight(plan))
+
+
+def steady_mean(
+    plan: Plan,
+    costs: CostModel,
+    num_devices: int,
+    num_microbatches: int,
+    *,
+    round_size: int,
+    is_async: bool = True,
+    stages: dict | None = None,
+) -> float:
+    """The mean simulated iteration after the warm-up ones (``stages``: a cache for
+    :func:`roundpipe.sim.walk.stages_of`)."""
+    warm, measured = WARMUP_ITERATIONS, MEASURED_ITERATIONS
+    ends = iteration_ends(
+        plan, costs, num_devices, num_microbatches, warm + measured, round_size, is_async, stages
+    )
+    return (ends[-1] - ends[warm - 1]) / measured
+
+
+def iteration_ends(
+    plan: Plan,
+    costs: CostModel,
+    num_devices: int,
+    num_microbatches: int,
+    iterations: int,
+    round_size: int,
+    is_async: bool,
+    stages: dict | None = None,
+) -> list[float]:
+    """When the last compute op of each of ``iterations`` iterations ends, with one more
+    iteration following (a run's last iteration is not in steady state: nothing
+    prefetches behind it). Walked job by job (:mod:`roundpipe.sim.walk`), or replayed as
+    an op graph where the walk cannot tell."""
+    try:
+        return walk.iteration_ends(
+            plan,
+            costs,
+            num_devices,
+            num_microbatches,
+            iterations,
+            round_size=round_size,
+            is_async=is_async,
+            stages=stages,
+        )
+    except walk.Undecided:
+        config = Config(plan, costs, num_devices, round_size, is_async, record=False)
+        with _gc_paused():
+            return Simulation(config).iteration_ends(num_microbatches, iterations + 1)[:-1]
 
 
 @contextmanager
