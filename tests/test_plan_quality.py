@@ -1,5 +1,5 @@
-"""The automatic plan against hand-tuned ones on 50 randomised profiles (slow: about a
-minute on two cores; run with ``scripts/test.sh -m slow``).
+"""The automatic plan against hand-tuned ones on 50 randomised profiles (about 20 s on
+two cores).
 
 For each profile of ``roundpipe.sim.profiles`` (fixed seeds) the automatic plan's
 simulated steady-state iteration time must not exceed the paper's greedy rule's, nor
@@ -22,7 +22,6 @@ from roundpipe.sim.bounds import PlanBounds
 from roundpipe.sim.profiles import random_profile
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("seed", range(50))
 def test_the_automatic_plan_against_hand_tuned_ones(seed: int) -> None:
     profile = random_profile(seed)
