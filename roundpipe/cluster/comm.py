@@ -109,6 +109,28 @@ class Comm:
 
         self._timed(what, lambda: self._staged(gather, out, segment))
 
+    def reduce(self, tensor: torch.Tensor, owner: int, what: str) -> None:
+        """``tensor`` on rank ``owner`` becomes the sum over ranks of ``tensor``."""
+        dst = dist.get_global_rank(self._buckets, owner)
+
+        def reduce(out: torch.Tensor, source: torch.Tensor) -> None:
+            if out is not source:
+                out.copy_(source)
+            dist.reduce(out, dst, group=self._buckets)
+
+        self._timed(what, lambda: self._staged(reduce, tensor, tensor))
+
+    def broadcast(self, tensor: torch.Tensor, owner: int, what: str) -> None:
+        """Every rank's ``tensor`` becomes rank ``owner``'s."""
+        src = dist.get_global_rank(self._buckets, owner)
+
+        def broadcast(out: torch.Tensor, source: torch.Tensor) -> None:
+            if out is not source:
+                out.copy_(source)
+            dist.broadcast(out, src, group=self._buckets)
+
+        self._timed(what, lambda: self._staged(broadcast, tensor, tensor))
+
     def _staged(self, collective, out: torch.Tensor, source: torch.Tensor) -> None:
         """``collective(out, source)`` on host tensors, or on device copies (NCCL)."""
         if self._staging is None:

@@ -12,7 +12,9 @@ gradients become final together in the backward; its tensors are spread over the
 nodes largest first, each to the node owning the fewest elements so far, so both
 every bucket and the whole model are balanced as well as whole tensors allow.
 In a collective each node's share of a bucket is one segment, padded to the
-longest share (``Bucket.segment``).
+longest share (``Bucket.segment``). A tensor of at least ``bucket_numel`` elements
+(an embedding, an LM head) travels in a bucket of its own, reduced to its owner and
+broadcast from it, so no node pads a segment to its size.
 """
 
 from __future__ import annotations
@@ -54,6 +56,13 @@ class Bucket:
     def segment(self) -> int:
         return max(self.share_numel)
 
+    @property
+    def single_owner(self) -> int | None:
+        """The rank owning everything in the bucket, if one does: then the bucket is
+        reduced to it and broadcast from it (no padded segments for the others)."""
+        owners = [rank for rank, numel in enumerate(self.share_numel) if numel]
+        return owners[0] if len(owners) == 1 else None
+
 
 @dataclass(frozen=True)
 class ShardLayout:
@@ -78,6 +87,9 @@ def shard_layout(specs: list[TensorSpec], world: int, bucket_numel: int) -> Shar
     # A tensor's gradient is final once the lowest layer using it ran its backward.
     by_kind: dict[tuple[torch.dtype, torch.dtype], list[TensorSpec]] = {}
     for spec in sorted(specs, key=lambda s: (-min(s.layers), s.index)):
+        if spec.numel >= bucket_numel and world > 1:
+            buckets.append(_bucket([spec], world, load, owner))
+            continue
         kind = (spec.grad_dtype, spec.weight_dtype)
         pending = by_kind.setdefault(kind, [])
         # Close the bucket at a layer boundary once it is big enough.

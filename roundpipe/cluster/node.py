@@ -130,27 +130,39 @@ class NodeSync:
             )
         return error, False
 
-    def _reduce(self, calls: tuple[Call, ...]) -> tuple[list[torch.Tensor], list[int]]:
+    def _reduce(self, calls: tuple[Call, ...]) -> tuple[list[torch.Tensor | None], list[int]]:
         present = [0] * len(self.uids)
         reduced = []
         for number, bucket in enumerate(self.layout.buckets):
             _wait_final(bucket, calls)
             segment = bucket.segment
+            owner = bucket.single_owner
+            if owner is not None:  # one rank owns it all: a reduce to it, no padding
+                flat = torch.zeros(segment, dtype=bucket.grad_dtype)
+                self._pack_grads(flat, bucket.shares[owner], present)
+                self.comm.reduce(flat, owner, _describe("gradient reduce", number, bucket))
+                reduced.append(flat if owner == self.rank else None)  # only the owner's
+                continue
             flat = torch.zeros(self.world * segment, dtype=bucket.grad_dtype)
             for rank, share in enumerate(bucket.shares):
-                offset = rank * segment
-                for index in share:
-                    grad = self.store.take_local_grad(self.uids[index])
-                    numel = self.store.entries[self.uids[index]].param.numel()
-                    if grad is not None:
-                        flat[offset : offset + numel].copy_(grad.reshape(-1))
-                        present[index] = 1
-                    offset += numel
+                self._pack_grads(flat[rank * segment :], share, present)
             out = torch.empty(segment, dtype=bucket.grad_dtype)
             what = _describe("gradient reduce-scatter", number, bucket)
             self.comm.reduce_scatter(out, flat, what)
             reduced.append(out)
         return reduced, present
+
+    def _pack_grads(self, flat: torch.Tensor, share: tuple[int, ...], present: list[int]):
+        """This node's gradients of the tensors ``share`` into ``flat``, one after another
+        (zeros where it has none); marks the ones it has in ``present``."""
+        offset = 0
+        for index in share:
+            grad = self.store.take_local_grad(self.uids[index])
+            numel = self.store.entries[self.uids[index]].param.numel()
+            if grad is not None:
+                flat[offset : offset + numel].copy_(grad.reshape(-1))
+                present[index] = 1
+            offset += numel
 
     def _agree(self, failed: bool, present: list[int] | None, what: str):
         values = torch.tensor([int(failed), *(present or [])], dtype=torch.int32)
@@ -161,10 +173,12 @@ class NodeSync:
             anywhere = rows[:, 1:].amax(dim=0).tolist() if present else []
         return failed_ranks, anywhere
 
-    def _install(self, reduced: list[torch.Tensor], present: list[int]) -> None:
+    def _install(self, reduced: list[torch.Tensor | None], present: list[int]) -> None:
         """Add the reduced gradients of this node's tensors into their masters' ``.grad``."""
         with torch.no_grad():
             for bucket, out in zip(self.layout.buckets, reduced, strict=True):
+                if out is None:
+                    continue
                 if self.grad_reduction == "mean":
                     out.div_(self.world)
                 offset = 0
@@ -183,23 +197,37 @@ class NodeSync:
         """Fill every tensor other nodes own from them, in ``buffer_of(uid)``."""
         for number, bucket in enumerate(self.layout.buckets):
             segment = bucket.segment
+            owner = bucket.single_owner
+            if owner is not None:  # a broadcast from the one owner
+                flat = torch.empty(segment, dtype=bucket.weight_dtype)
+                if owner == self.rank:
+                    self._pack_weights(flat, bucket.shares[owner], buffer_of)
+                self.comm.broadcast(flat, owner, _describe("weight broadcast", number, bucket))
+                if owner != self.rank:
+                    self._unpack_weights(flat, bucket.shares[owner], buffer_of)
+                continue
             mine = torch.zeros(segment, dtype=bucket.weight_dtype)
-            offset = 0
-            for index in bucket.shares[self.rank]:
-                source = buffer_of(self.uids[index]).reshape(-1)
-                mine[offset : offset + source.numel()].copy_(source)
-                offset += source.numel()
+            self._pack_weights(mine, bucket.shares[self.rank], buffer_of)
             out = torch.empty(self.world * segment, dtype=bucket.weight_dtype)
             self.comm.all_gather(out, mine, _describe("weight all-gather", number, bucket))
             for rank, share in enumerate(bucket.shares):
-                if rank == self.rank:
-                    continue
-                offset = rank * segment
-                for index in share:
-                    target = buffer_of(self.uids[index])
-                    numel = target.numel()
-                    target.copy_(out[offset : offset + numel].view(target.shape))
-                    offset += numel
+                if rank != self.rank:
+                    self._unpack_weights(out[rank * segment :], share, buffer_of)
+
+    def _pack_weights(self, flat: torch.Tensor, share, buffer_of) -> None:
+        offset = 0
+        for index in share:
+            source = buffer_of(self.uids[index]).reshape(-1)
+            flat[offset : offset + source.numel()].copy_(source)
+            offset += source.numel()
+
+    def _unpack_weights(self, flat: torch.Tensor, share, buffer_of) -> None:
+        offset = 0
+        for index in share:
+            target = buffer_of(self.uids[index])
+            numel = target.numel()
+            target.copy_(flat[offset : offset + numel].view(target.shape))
+            offset += numel
 
 
 def _wait_final(bucket: Bucket, calls: tuple[Call, ...]) -> None:
