@@ -142,9 +142,9 @@ def test_a_rank_that_dies_makes_the_others_raise_within_the_timeout(
 
 
 def test_communication_overlaps_the_backward_and_the_next_iteration(tmp_path):
-    """Each bucket collective is delayed by 20 ms (12 per step). Asynchronous steps hide
-    most of it behind the next iteration; in a synchronous step the timeline shows
-    gradient reduce-scatters that finished while the backward still ran."""
+    """Each bucket collective (two per tensor and step) is delayed by 20 ms. Asynchronous
+    steps hide most of it behind the next iteration; in a synchronous step the timeline
+    shows gradient reductions that finished while the backward still ran."""
     delay = 0.02
     runs = {}
     for delay_s in (0.0, delay):
@@ -152,7 +152,7 @@ def test_communication_overlaps_the_backward_and_the_next_iteration(tmp_path):
             out = tmp_path / f"{delay_s}-{is_async}"
             out.mkdir()
             codes, results, outputs = launch(
-                "overlap", 2, out, delay_s=delay_s, kernel_s=0.01, is_async=is_async
+                "overlap", 2, out, delay_s=delay_s, kernel_s=0.02, is_async=is_async
             )
             assert codes == [0, 0], outputs
             runs[delay_s, is_async] = results[0]
@@ -162,7 +162,7 @@ def test_communication_overlaps_the_backward_and_the_next_iteration(tmp_path):
 
     spans = runs[delay, False]["spans"]
     last_backward = max(end for kind, _, _, end in spans if kind in ("backward", "fused"))
-    reduces = [end for kind, label, _, end in spans if "reduce-scatter" in label]
+    reduces = [end for kind, label, _, end in spans if "gradient reduce" in label]
     assert len(reduces) == runs[delay, False]["buckets"]
     assert min(reduces) < last_backward
 
