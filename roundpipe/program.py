@@ -20,6 +20,7 @@ ahead of the one computing, counted when memory is taken.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import astuple, dataclass
 
 from .keys import Activation, HandoffKey, InputGrad, Loss, Output, RngState
@@ -133,11 +134,21 @@ class JobProgram:
     def on(self, stream: str) -> tuple[DeviceOp, ...]:
         return tuple(op for op in self.ops if op.stream == stream)
 
-    @property
+    @functools.cached_property
     def weight_ops(self) -> tuple[DeviceOp, ...]:
         return self.on(WEIGHT_UPLOAD)
 
-    def needs_event(self) -> frozenset[int]:
+    @functools.cached_property
+    def downloads(self) -> dict[int, tuple[HandoffKey, ...]]:
+        """Per op, the keys under which values of its result are downloaded."""
+        keys: dict[int, tuple[HandoffKey, ...]] = {}
+        for op in self.ops:
+            if op.kind == DOWNLOAD_VALUE:
+                keys[op.inputs[0]] = (*keys.get(op.inputs[0], ()), op.key)
+        return keys
+
+    @functools.cached_property
+    def event_ops(self) -> frozenset[int]:
         """Ops after which an event is recorded: another stream or the host waits for
         them, or they hand values over themselves."""
         needed = {op.host_wait for op in self.ops if op.host_wait is not None}
@@ -151,12 +162,14 @@ class JobProgram:
         return "\n".join([f"{self.job}:", *(f"  {op}" for op in self.ops)])
 
 
+@functools.lru_cache(maxsize=1024)
 def job_program(
     job: Job, shape: CallShape, weight_chunks: int, has_buffers: bool, writes_back: bool
 ) -> JobProgram:
     """The device ops of ``job`` in issue order (see the module docstring): its weights
     in ``weight_chunks`` chunks (plus buffers), its microbatches, and at the end the
-    write-back of its buffers (if ``writes_back``), its gradients and the release."""
+    write-back of its buffers (if ``writes_back``), its gradients and the release.
+    Programs are immutable, so equal arguments share one (calls repeat their jobs)."""
     builder = _Builder(job, shape)
     builder.weights(weight_chunks, has_buffers)
     for m in range(shape.num_microbatches):

@@ -218,8 +218,8 @@ def test_memory_is_handed_out_poisoned(harness, dtype, poisoned):
 
 def test_poisoning_can_be_turned_off(harness, monkeypatch):
     calls = []
-    real = emulated_memory.poison
-    monkeypatch.setattr(emulated_memory, "poison", lambda t: calls.append(t) or real(t))
+    real = emulated_memory.poison_value
+    monkeypatch.setattr(emulated_memory, "poison_value", lambda d: calls.append(d) or real(d))
     host = torch.zeros(16)
 
     device = harness.pool(1).devices[0]

@@ -92,3 +92,25 @@ def test_the_planner_replans_to_fit_once_it_measured_larger_activations() -> Non
         plan = planner.plan(8, 9, MIB)  # starts the re-plan, then adopts it when done
         time.sleep(0.01)
     assert _fits_with_activations(plan)
+
+
+def test_the_runtime_learns_each_layers_input_size() -> None:
+    """Forward stages of one layer each download every layer's input; a narrow layer's
+    input is learned as narrow, not as the widest boundary."""
+    import torch
+    from torch import nn
+
+    from roundpipe import Plan, RoundPipe, RoundPipeRunConfig
+
+    widths = [16, 64, 16, 64, 16, 8]
+    layers = [nn.Linear(a, b) for a, b in zip(widths, widths[1:], strict=False)]
+    plan = Plan(forward=(1, 1, 1, 1), backward=(1, 1, 1, 1, 1))
+    config = RoundPipeRunConfig(num_microbatch=2, execute_plan=plan)
+    rows = 6
+    with RoundPipe(nn.Sequential(*layers), devices="emulated:2", model_run_config=config) as pipe:
+        x, y = torch.randn(rows, 16), torch.randn(rows, 8)
+        pipe.forward_backward((x,), label=y, loss_fn=lambda out, lab: ((out - lab) ** 2).sum())
+        pipe.synchronize()
+        learned = pipe.profiler.activation_bytes()
+    per_row = [w * 4 * rows // 2 for w in widths[:-1]]  # fp32, one microbatch of 3 rows
+    assert learned[1:4] == tuple(per_row[1:4])

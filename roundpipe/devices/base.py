@@ -26,13 +26,15 @@ from typing import Any
 
 import torch
 
+from .host_blocks import HostBlockPool
+
 STREAM_NAMES = ("compute", "weight_upload", "act_upload", "download")
 RANDOM_KINDS = frozenset({"forward", "recompute", "fused"})
+"""Compute ops that may draw random numbers (dropout): their RNG use must be atomic."""
 
 MAPPED_FILE_ATTR = "roundpipe_mapped_file"
 """Set on the storage of a host tensor that is a view of a file mapping (its value is
 the path): such memory is never page-locked (it would lock the whole file in RAM)."""
-"""Compute ops that may draw random numbers (dropout): their RNG use must be atomic."""
 
 
 @dataclass(frozen=True)
@@ -93,6 +95,14 @@ class Event(abc.ABC):
     @abc.abstractmethod
     def query(self) -> bool:
         """Whether the work before this event finished."""
+
+    def wait_launched(self) -> None:
+        """Block the host until every op before this event was *launched* (its closure
+        ran, so the host objects it makes exist, e.g. the host tensor a download fills,
+        though the device may still be copying into it); raise the error of a failed op.
+        On CUDA closures run when submitted, so this returns at once; the emulator runs
+        them on stream threads, so it waits for the event."""
+        self.synchronize()
 
     def wait(self, timeout: float | None) -> bool:
         """Block until the work before this event finished or ``timeout`` seconds passed;
@@ -162,7 +172,9 @@ class Device(abc.ABC):
         """On the issuing thread, outside any op: uninitialised device memory shaped like
         ``host`` for work about to be issued on ``stream``. It is taken now, as CUDA's
         caching allocator takes it when the host asks, whatever the device is running;
-        so the host must not allocate for work further ahead than memory allows."""
+        so the host must not allocate for work further ahead than memory allows. Only
+        ``host``'s ``shape``, ``dtype``, ``numel()`` and ``element_size()`` are read (a
+        stand-in such as ``runtime.transfer.TensorMeta`` will do)."""
 
     @abc.abstractmethod
     def copy_in(self, dst: torch.Tensor, src: torch.Tensor, stream: Stream) -> None:
@@ -226,6 +238,8 @@ class DevicePool(abc.ABC):
 
     devices: list[Device]
     kind: str  # "cuda" | "emulated"
+    host_blocks: HostBlockPool
+    """The page-locked host blocks downloads land in (bounded, reused)."""
 
     def __len__(self) -> int:
         return len(self.devices)

@@ -8,8 +8,11 @@ CUDA semantics the runtime relies on:
 - events are recorded on a stream and waited on by streams of the same or other
   devices (``cudaStreamWaitEvent``) without blocking the host;
 - host↔device copies are ``non_blocking`` from/to pinned memory, so they are truly
-  asynchronous; pinned host buffers for downloads come from PyTorch's caching host
-  allocator, which records the copy's stream and does not reuse a block early;
+  asynchronous; downloads land in page-locked blocks of the pool's own
+  :class:`~.host_blocks.HostBlockPool` (page-aligned host memory registered with
+  ``cudaHostRegister``: exact size classes, a bounded idle cache), and every copy
+  reading or writing such a block records its stream, so the block is not reused
+  before the copy has run;
 - a tensor allocated on one stream and used on another is passed to
   ``Tensor.record_stream`` so the caching allocator does not hand its memory out
   again before the using stream is done with it (:meth:`CudaDevice.keep_alive`).
@@ -39,6 +42,7 @@ from .base import (
     Stream,
     Timer,
 )
+from .host_blocks import DEFAULT_CACHE_BYTES, PAGE, HostBlockPool
 
 # No stream priorities: copy engines serve copies of one direction in issue order
 # whatever their stream's priority, so the runtime orders transfers itself (it issues
@@ -57,6 +61,10 @@ class _CudaEvent(Event):
 
     def query(self) -> bool:
         return self.event.query()
+
+    def wait_launched(self) -> None:
+        if self.error is not None:  # the ops before it were launched when submitted
+            raise self.error
 
 
 class _CudaTimer(Timer):
@@ -132,10 +140,12 @@ class CudaDevice(Device):
 
     def copy_in(self, dst: torch.Tensor, src: torch.Tensor, stream: Stream) -> None:
         dst.copy_(src, non_blocking=True)
+        self.pool.host_blocks.record_use(src, stream)
 
     def to_host(self, tensor: torch.Tensor, stream: Stream) -> torch.Tensor:
-        out = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=True)
+        out = self.pool.host_blocks.empty(tensor.shape, tensor.dtype)
         out.copy_(tensor, non_blocking=True)
+        self.pool.host_blocks.record_use(out, stream)
         return out
 
     def keep_alive(self, tensor: torch.Tensor, stream: Stream) -> None:
@@ -182,10 +192,12 @@ class CudaDevicePool(DevicePool):
         indices: list[int],
         headroom_bytes: int = 1 << 30,
         headroom_fraction: float = 0.08,
+        host_cache_bytes: int = DEFAULT_CACHE_BYTES,
     ) -> None:
         """GPUs ``indices``. Plans leave ``headroom_bytes`` plus ``headroom_fraction`` of
         each GPU's memory unused, for the CUDA context, cuBLAS workspaces and the caching
-        allocator's fragmentation."""
+        allocator's fragmentation. Downloads land in page-locked blocks of which at most
+        ``host_cache_bytes`` are kept idle for reuse."""
         if not torch.cuda.is_available():
             raise RuntimeError("CUDA devices were requested but torch.cuda is not available")
         count = torch.cuda.device_count()
@@ -201,6 +213,8 @@ class CudaDevicePool(DevicePool):
         self.headroom_fraction = headroom_fraction
         self._rng_locks = {i: threading.RLock() for i in indices}
         self._registered: list[torch.UntypedStorage] = []
+        self._host_registered: set[int] = set()  # addresses of registered host blocks
+        self.host_blocks = HostBlockPool(host_cache_bytes, self._lock_block, self._unlock_block)
         self.devices = [CudaDevice(self, i) for i in indices]
         self._recording = False
         self._pending: list[tuple[int, str, OpInfo, torch.cuda.Event, torch.cuda.Event]] = []
@@ -243,13 +257,40 @@ class CudaDevicePool(DevicePool):
         code = int(getattr(result, "value", result))
         if code == 0:
             self._registered.append(storage)  # kept alive until unregistered
+        else:
+            _clear_last_error()
         return code
 
+    def _lock_block(self, size: int) -> torch.Tensor:
+        """A page-locked host block of exactly ``size`` bytes (whole pages): the pages of
+        a host allocation registered with ``cudaHostRegister``; only pages inside it, so
+        no registration overlaps another. Falls back to ``pin_memory()`` if refused."""
+        backing = torch.empty(size + PAGE, dtype=torch.uint8)
+        offset = -backing.data_ptr() % PAGE
+        block = backing[offset : offset + size]
+        result = torch.cuda.cudart().cudaHostRegister(block.data_ptr(), size, 0)
+        if int(getattr(result, "value", result)) != 0:
+            _clear_last_error()
+            return torch.empty(size, dtype=torch.uint8, pin_memory=True)
+        self._host_registered.add(block.data_ptr())
+        return block
+
+    def _unlock_block(self, block: torch.Tensor) -> None:
+        if block.data_ptr() in self._host_registered:
+            self._host_registered.discard(block.data_ptr())
+            torch.cuda.cudart().cudaHostUnregister(block.data_ptr())
+
+    def _synchronize(self) -> None:
+        for device in self.devices:
+            torch.cuda.synchronize(device.index)
+
     def close(self) -> None:
-        """Unregister the host memory :meth:`pin` registered (safe to call again)."""
+        """Unregister the host memory :meth:`pin` registered and give back the download
+        blocks (those still held by tensors when these die); safe to call again."""
         registered, self._registered = self._registered, []
         for storage in registered:
             torch.cuda.cudart().cudaHostUnregister(storage.data_ptr())
+        self.host_blocks.close(synchronize=self._synchronize)
 
     def rng_lock(self, index: int) -> threading.RLock:
         """Held while launching random kernels on GPU ``index`` (shared by its workers)."""
@@ -296,3 +337,11 @@ class CudaDevicePool(DevicePool):
                 SpanRecord(device, name, info, begin, begin + start.elapsed_time(end) / 1e3)
             )
         return spans
+
+
+def _clear_last_error() -> None:
+    """Reset CUDA's last error after a refused ``cudaHostRegister`` (the fallback is
+    fine), so a later launch check does not report it."""
+    get_last_error = getattr(torch.cuda.cudart(), "cudaGetLastError", None)
+    if get_last_error is not None:
+        get_last_error()

@@ -1,8 +1,8 @@
 """N virtual devices inside one process, on the CPU (DESIGN.md §5).
 
 Each stream is an ordered queue run by its own thread; events are recorded on one
-stream and waited on by others exactly as CUDA does. Where it matters the emulator
-is never kinder than a GPU:
+stream and waited on by others exactly as CUDA does (:mod:`.emulated_stream`). Where
+it matters the emulator is never kinder than a GPU:
 
 - device memory is taken when the host allocates it, as CUDA's caching allocator
   does, checked against a per-device capacity (``torch.OutOfMemoryError``), handed
@@ -10,7 +10,9 @@ is never kinder than a GPU:
   has run (:mod:`.emulated_memory`);
 - transfers go through one FIFO copy engine per direction per device and a host
   memory bus shared by all devices; there are no transfer priorities
-  (:mod:`.emulated_link`).
+  (:mod:`.emulated_link`);
+- downloads land in blocks of a bounded pool marked page-locked
+  (:mod:`.host_blocks`); uploads from memory not marked so block the issuing thread.
 
 Optional models: link and host bandwidth, kernel time per op, and *jitter* (a
 random delay before every op) so that a missing event wait shows up as a wrong
@@ -19,9 +21,7 @@ result. Threads start on first use, never at import.
 
 from __future__ import annotations
 
-import collections
 import contextlib
-import random
 import threading
 import time
 from collections.abc import Callable
@@ -35,7 +35,6 @@ from .base import (
     STREAM_NAMES,
     Device,
     DevicePool,
-    Event,
     OpInfo,
     SpanRecord,
     Stream,
@@ -43,6 +42,8 @@ from .base import (
 )
 from .emulated_link import CopyEngine, HostBus, Tickets
 from .emulated_memory import ComputeAllocations, DeviceMemory
+from .emulated_stream import RUNNING, EmulatedStream, ModelledTime, WallClockTimer
+from .host_blocks import DEFAULT_CACHE_BYTES, HostBlockPool
 
 # The CPU generator is one per process, so is the lock that makes "capture RNG
 # state, then draw from it" atomic across emulated devices (and across pools).
@@ -76,195 +77,8 @@ class EmulatedOptions:
     """Count what layers compute (activations, saved tensors, logits) as device memory
     from its creation until it dies, as on a GPU. ``None``: when a capacity is set (it
     costs a Python hook per operator)."""
-
-
-class _RunningOp(threading.local):
-    """Per stream thread: the stream it runs and the ticket of the op running now."""
-
-    stream: _EmulatedStream | None = None
-    ticket: int = -1
-
-
-_RUNNING = _RunningOp()
-
-
-class _ModelledTime(threading.local):
-    """Per stream thread: modelled kernel seconds owed (slept after the op) and in total."""
-
-    pending = 0.0
-    total = 0.0
-
-
-class _WallClockTimer(Timer):
-    """Wall time of the real work plus the modelled kernel time charged in between."""
-
-    def __init__(self, modelled: _ModelledTime) -> None:
-        self._modelled = modelled
-        self._start = self._stop = 0.0
-
-    def start(self) -> None:
-        self._start = time.perf_counter() + self._modelled.total
-
-    def stop(self) -> None:
-        self._stop = time.perf_counter() + self._modelled.total
-
-    def seconds(self) -> float:
-        return self._stop - self._start
-
-
-class _EmulatedEvent(Event):
-    def __init__(self) -> None:
-        self._done = threading.Event()
-        self.error: BaseException | None = None
-
-    def _complete(self, error: BaseException | None) -> None:
-        self.error = error
-        self._done.set()
-
-    def wait_done(self) -> None:
-        self._done.wait()
-
-    def synchronize(self) -> None:
-        self._done.wait()
-        if self.error is not None:
-            raise self.error
-
-    def query(self) -> bool:
-        return self._done.is_set()
-
-    def wait(self, timeout: float | None) -> bool:
-        return self._done.wait(timeout)
-
-
-_STOP = object()
-
-
-class _EmulatedStream(Stream):
-    def __init__(self, device: EmulatedDevice, name: str, seed: int) -> None:
-        self.device = device
-        self.name = name
-        self.error: BaseException | None = None
-        self.engine: CopyEngine | None = None  # the copy engine its ops use, if any
-        self._items: collections.deque = collections.deque()
-        # reentrant: a tensor freed while the lock is held may record an event here
-        self._cond = threading.Condition(threading.RLock())
-        self._thread: threading.Thread | None = None
-        self._busy = False  # the thread is handling an item
-        self._start_lock = threading.Lock()
-        self._rng = random.Random(seed)
-
-    def _ensure_thread(self) -> None:
-        if self._thread is None:
-            with self._start_lock:
-                if self._thread is None:
-                    self._thread = threading.Thread(
-                        target=self._run,
-                        name=f"roundpipe-emu{self.device.index}-{self.name}",
-                        daemon=True,
-                    )
-                    self._thread.start()
-
-    def _put(self, item) -> None:
-        self._ensure_thread()
-        with self._cond:
-            if self.engine is not None and item is not _STOP and item[0] == "run" and self._idle():
-                # nothing stands before it: its copies are ready now, as on a GPU
-                self.engine.op_started(item[2][1])
-            self._items.append(item)
-            self._cond.notify()
-
-    def _idle(self) -> bool:
-        """Under the lock: no item queued and none being run."""
-        return not self._items and not self._busy
-
-    def _take(self):
-        with self._cond:
-            while not self._items:
-                self._cond.wait()
-            self._busy = True
-            return self._items.popleft()
-
-    def _next_ready_ticket(self) -> int | None:
-        """The ticket of the next op if nothing unfinished stands before it."""
-        with self._cond:
-            for item in self._items:
-                if item is _STOP:
-                    return None
-                op, payload, issued = item
-                if op == "run":
-                    return issued[1]
-                if op == "wait" and not payload.query():
-                    return None
-        return None
-
-    def submit(self, fn: Callable[[], None], info: OpInfo) -> None:
-        self._put(("run", fn, (info, self.device.pool.tickets.next())))
-        if info.pageable:  # as CUDA does: the host waits until the copy has been staged
-            self.record().wait(None)
-
-    def record(self) -> Event:
-        event = _EmulatedEvent()
-        self._put(("record", event, None))
-        return event
-
-    def wait(self, event: Event) -> None:
-        if not isinstance(event, _EmulatedEvent):
-            raise TypeError(f"an emulated stream cannot wait on {type(event).__name__}")
-        self._put(("wait", event, None))
-
-    def stop(self) -> None:
-        if self._thread is not None:
-            self._put(_STOP)
-            self._thread.join()
-            self._thread = None
-
-    def _run(self) -> None:
-        _RUNNING.stream = self
-        while True:
-            item = self._take()
-            if item is _STOP:
-                return
-            op, payload, issued = item
-            if op == "record":
-                payload._complete(self.error)
-            elif op == "wait":
-                payload.wait_done()
-                if payload.error is not None and self.error is None:
-                    self.error = payload.error
-            else:
-                if self.engine is not None:
-                    self.engine.op_started(issued[1])
-                if self.error is None:
-                    self._run_op(payload, issued[0], issued[1])
-                if self.engine is not None:
-                    self.engine.op_finished(issued[1], self._next_ready_ticket())
-            # What the op referenced (its device tensors) dies now, not when the next
-            # op arrives: an op that ran holds nothing on a GPU either.
-            item = payload = None
-            with self._cond:
-                self._busy = False
-
-    def _run_op(self, fn: Callable[[], None], info: OpInfo, ticket: int) -> None:
-        _RUNNING.ticket = ticket
-        options = self.device.options
-        if options.jitter_s:
-            time.sleep(self._rng.uniform(0.0, options.jitter_s))
-        start = time.perf_counter()
-        try:
-            fn()
-        except BaseException as exc:  # noqa: BLE001 - sticky, reported through events
-            self.error = exc
-        finally:
-            _RUNNING.ticket = -1
-        # The op lasts as long as its modelled kernels, slept here after it released any
-        # lock it held. The host work of running it counts towards that time, as a GPU
-        # kernel runs while the host launches the next: only what is left is slept.
-        modelled = self.device.modelled
-        owed, modelled.pending = modelled.pending, 0.0
-        left = owed - (time.perf_counter() - start)
-        if left > 0:
-            time.sleep(left)
-        self.device.pool.record_span(self.device.index, self.name, info, start)
+    host_cache_bytes: int = DEFAULT_CACHE_BYTES
+    """Idle bytes the pool of page-locked download blocks keeps for reuse."""
 
 
 class EmulatedDevice(Device):
@@ -274,24 +88,24 @@ class EmulatedDevice(Device):
         self.options = options
         self.torch_device = torch.device("cpu")
         self.streams = {
-            name: _EmulatedStream(self, name, options.seed * 1009 + index * 17 + i)
+            name: EmulatedStream(self, name, options.seed * 1009 + index * 17 + i)
             for i, name in enumerate(STREAM_NAMES)
         }
-        self.modelled = _ModelledTime()
+        self.modelled = ModelledTime()
         self.h2d = CopyEngine(options.h2d_gbps, pool.host_bus)
         self.d2h = CopyEngine(options.d2h_gbps, pool.host_bus)
         for name, engine in (("weight_upload", self.h2d), ("act_upload", self.h2d)):
             self.streams[name].engine = engine
         self.streams["download"].engine = self.d2h
         self.memory = DeviceMemory(
-            index, self.memory_capacity(), options.poison_memory, lambda: _RUNNING.stream
+            index, self.memory_capacity(), options.poison_memory, lambda: RUNNING.stream
         )
 
     def __repr__(self) -> str:
         return f"emulated:{self.index}"
 
     def empty_like(self, host: torch.Tensor) -> torch.Tensor:
-        return self.memory.allocate(host, _RUNNING.stream)
+        return self.memory.allocate(host, RUNNING.stream)
 
     def allocate(self, host: torch.Tensor, stream: Stream) -> torch.Tensor:
         return self.memory.allocate(host, stream)
@@ -301,13 +115,16 @@ class EmulatedDevice(Device):
         dst.copy_(src)
 
     def to_host(self, tensor: torch.Tensor, stream: Stream) -> torch.Tensor:
+        # A block of the pool (marked page-locked). Its copy is done when the op ends
+        # and the op holds it until then, so no use needs recording.
+        out = self.pool.host_blocks.empty(tensor.shape, tensor.dtype)
         self._transfer(self.d2h, tensor.numel() * tensor.element_size())
-        return tensor.detach().clone(memory_format=torch.contiguous_format)
+        return out.copy_(tensor.detach())
 
     def _transfer(self, engine: CopyEngine, nbytes: int) -> None:
-        running = _RUNNING.stream
+        running = RUNNING.stream
         if running is not None and running.engine is engine:
-            engine.transfer(nbytes, _RUNNING.ticket, held=True)
+            engine.transfer(nbytes, RUNNING.ticket, held=True)
         else:  # a copy from a compute op or from outside any op: ready from now on
             engine.transfer(nbytes, self.pool.tickets.next(), held=False)
 
@@ -326,11 +143,11 @@ class EmulatedDevice(Device):
             scope.enter_context(_CPU_RNG_LOCK)
         count = self.options.count_compute_memory
         if count or (count is None and self.memory.capacity is not None):
-            scope.enter_context(ComputeAllocations(self.memory, _RUNNING.stream))
+            scope.enter_context(ComputeAllocations(self.memory, RUNNING.stream))
         return scope
 
     def timer(self) -> Timer:
-        return _WallClockTimer(self.modelled)
+        return WallClockTimer(self.modelled)
 
     def model_kernel_time(self, info: OpInfo) -> None:
         if self.options.kernel_time is not None:
@@ -374,6 +191,12 @@ class EmulatedDevicePool(DevicePool):
             )
         self.tickets = Tickets()
         self.host_bus = HostBus(self.options.host_gbps)
+        self.host_blocks = HostBlockPool(
+            self.options.host_cache_bytes,
+            lambda size: torch.empty(size, dtype=torch.uint8),
+            lambda memory: None,
+            mark=_mark_page_locked,
+        )
         self.devices = [EmulatedDevice(self, i, self.options) for i in range(num_devices)]
         self._recording = False
         self._spans: list[SpanRecord] = []
@@ -387,7 +210,7 @@ class EmulatedDevicePool(DevicePool):
         # asynchronous and copies from anything else block the issuing thread, as on CUDA.
         # (The mode was validated by the caller.)
         if mode != "off" and getattr(tensor.untyped_storage(), MAPPED_FILE_ATTR, None) is None:
-            tensor.untyped_storage().roundpipe_pinned = True
+            _mark_page_locked(tensor)
         return tensor
 
     def clear_errors(self) -> None:
@@ -415,3 +238,8 @@ class EmulatedDevicePool(DevicePool):
             device.memory.closed = True
             for stream in device.streams.values():
                 stream.stop()
+        self.host_blocks.close()
+
+
+def _mark_page_locked(tensor: torch.Tensor) -> None:
+    tensor.untyped_storage().roundpipe_pinned = True

@@ -19,6 +19,7 @@
 
 from __future__ import annotations
 
+import functools
 import threading
 import weakref
 from collections.abc import Callable
@@ -30,14 +31,17 @@ from torch.utils._pytree import tree_leaves
 from ..errors import format_bytes
 
 
+def poison_value(dtype: torch.dtype) -> float | int | bool:
+    """What a poisoned block holds: NaN, all bits set for integers, True."""
+    if dtype.is_floating_point or dtype.is_complex:
+        return float("nan")
+    if dtype == torch.bool:
+        return True
+    return -1 if dtype.is_signed else torch.iinfo(dtype).max
+
+
 def poison(tensor: torch.Tensor) -> torch.Tensor:
-    if tensor.is_floating_point() or tensor.is_complex():
-        tensor.fill_(float("nan"))
-    elif tensor.dtype == torch.bool:
-        tensor.fill_(True)
-    else:
-        tensor.fill_(-1 if tensor.dtype.is_signed else torch.iinfo(tensor.dtype).max)
-    return tensor
+    return tensor.fill_(poison_value(tensor.dtype))
 
 
 def _storage_objects_preserved() -> bool:
@@ -56,12 +60,13 @@ def _owner(tensor: torch.Tensor) -> object:
 
 
 class _Block:
-    __slots__ = ("nbytes", "stream", "uses")
+    __slots__ = ("death", "nbytes", "stream", "uses")
 
     def __init__(self, nbytes: int, stream) -> None:
         self.nbytes = nbytes
         self.stream = stream  # the stream it was allocated for (None: unknown)
         self.uses: list = []  # other streams that used it (record_stream)
+        self.death: weakref.ref | None = None  # calls _free when the owner dies
 
 
 class DeviceMemory:
@@ -88,11 +93,13 @@ class DeviceMemory:
     # -- allocation ----------------------------------------------------------------
 
     def allocate(self, like: torch.Tensor, stream=None) -> torch.Tensor:
-        self._take(like.numel() * like.element_size())
-        tensor = torch.empty_like(like, memory_format=torch.contiguous_format, device="cpu")
-        if self.poison_blocks:
-            poison(tensor)
-        self._track(tensor, like.numel() * like.element_size(), stream)
+        nbytes = like.numel() * like.element_size()
+        self._take(nbytes)
+        if self.poison_blocks:  # one call: allocated and poisoned
+            tensor = torch.full(like.shape, poison_value(like.dtype), dtype=like.dtype)
+        else:
+            tensor = torch.empty(like.shape, dtype=like.dtype)
+        self._track(tensor, nbytes, stream)
         return tensor
 
     def adopt(self, tensor: torch.Tensor, stream) -> None:
@@ -119,7 +126,7 @@ class DeviceMemory:
         owner = _owner(tensor)
         key = id(owner)
         self._blocks[key] = block
-        weakref.finalize(owner, self._free, key, block)
+        block.death = weakref.ref(owner, functools.partial(self._free, key))
 
     def keep_alive(self, tensor: torch.Tensor, stream) -> None:
         block = self._blocks.get(id(_owner(tensor)))
@@ -129,9 +136,12 @@ class DeviceMemory:
     def is_resident(self, tensor: torch.Tensor) -> bool:
         return id(_owner(tensor)) in self._blocks
 
-    def _free(self, key: int, block: _Block) -> None:
-        """The block's tensor died (on any thread, possibly inside an op)."""
-        self._blocks.pop(key, None)
+    def _free(self, key: int, _death=None) -> None:
+        """The block's tensor died (on any thread, possibly inside an op). Called while
+        the owner is being destroyed, before its id can be reused."""
+        block = self._blocks.pop(key, None)
+        if block is None:
+            return
         current = self._current_stream()
         waits = [s for s in block.uses if s is not current]
         events = []

@@ -7,10 +7,19 @@ makes the op's stream wait for the ops of other streams it reads (``inputs``),
 submits the op, and records an event where a later op or a reader needs one. Work the
 host must do after device work (accumulating gradients, writing back buffers) is
 handed to the worker's completer thread.
+
+Uploads take their device memory here, when issued, as CUDA's caching allocator takes
+it (:class:`~.transfer.Upload`). An upload of a value another job downloads waits
+first until the compute op producing it was launched: that op hands the value's shapes
+over (:class:`~.transfer.Shapes`), so the issuer sizes the upload before the value is
+on the host (on CUDA at once, as ops are launched when issued).
+An upload reading pageable host memory is marked so: issuing it blocks this thread
+until the copy was staged, as on CUDA.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -27,7 +36,7 @@ from .prefetch import StageWeights
 from .profiler import TransferTiming
 from .stage_compute import StageCompute, take
 from .sync import Handoff
-from .transfer import download_tree, tree_bytes, upload_tree
+from .transfer import Shapes, Upload, download_tree, tree_bytes
 
 if TYPE_CHECKING:
     from .worker import DeviceWorker
@@ -60,8 +69,9 @@ class JobIssuer:
         self.compute = StageCompute(self)
         self.results: dict[int, Slot] = {}
         self.posted: dict[int, dict] = {}  # op -> the slots of the values it posts itself
+        self.shapes: dict = {}  # key -> the slot of a downloaded value's shapes
         self.events: dict[int, Event] = {}
-        self.needs_event = program.needs_event()
+        self.needs_event = program.event_ops
         self.waited: dict[tuple[str, str], int] = {}  # (stream, other stream) -> last op
         self.transfers: list[TransferTiming] = list(weights.transfers)
         """The job's timed transfers, for the profiler once the job has finished."""
@@ -110,26 +120,57 @@ class JobIssuer:
 
     def upload_handoff(self, op: DeviceOp, stream: Stream, what: str, requires_grad: bool) -> None:
         handoff = self.mailbox.get(op.key)
-        if handoff.event is not None:
-            stream.wait(handoff.event)
-        slot, device = self.results[op.index], self.device
-
-        def upload() -> None:
-            with failure_site(f"{self.name}: upload of {what}, microbatch {op.microbatch}"):
-                slot.value = upload_tree(device, stream, handoff.slot.value, requires_grad)
-
-        stream.submit(upload, self.info(op, "upload", f"{what} mb{op.microbatch}"))
+        if handoff.event is None:  # already in host memory
+            self.submit_upload(op, stream, what, handoff.slot.value, requires_grad)
+            return
+        # Its device memory is taken now, so its size must be known: wait until the
+        # producer computed it (CUDA: until it was issued), or, for a value posted
+        # without its shapes, until the download was launched and the host copy exists.
+        # The copy itself waits for the download on the device.
+        shapes = handoff.meta
+        if isinstance(shapes, Shapes):
+            tree, source = shapes.tree(), handoff.slot
+        else:
+            handoff.event.wait_launched()
+            tree, source = handoff.slot.value, None
+        stream.wait(handoff.event)
+        self.submit_upload(op, stream, what, tree, requires_grad, source)
 
     def upload_label(self, op: DeviceOp, stream: Stream) -> None:
         labels = self.call.labels
         host = labels[op.microbatch] if labels is not None else None
-        slot, device = self.results[op.index], self.device
+        self.submit_upload(op, stream, "label", host, False)
 
-        def upload() -> None:
-            with failure_site(f"{self.name}: upload of the label, microbatch {op.microbatch}"):
-                slot.value = upload_tree(device, stream, host, False)
+    def submit_upload(
+        self,
+        op: DeviceOp,
+        stream: Stream,
+        what: str,
+        tree: Any,
+        requires_grad: bool,
+        source: Slot | None = None,
+    ) -> None:
+        """Take the device memory of ``tree`` now, on the issuing thread, and issue its
+        copy (from ``source`` if ``tree`` holds only shapes); from pageable host memory
+        issuing it blocks until the copy was staged."""
+        slot = self.results[op.index]
+        site = failure_site(f"{self.name}: upload of {what}, microbatch {op.microbatch}")
+        with site:
+            upload = Upload(self.device, stream, tree, requires_grad, source)
 
-        stream.submit(upload, self.info(op, "upload", f"label mb{op.microbatch}"))
+        def run() -> None:
+            with site:
+                slot.value = upload.run()
+
+        info = OpInfo(
+            "upload",
+            f"{what} mb{op.microbatch}",
+            upload.nbytes,
+            job=self.job.index,
+            op=op.index,
+            pageable=upload.pageable(),
+        )
+        stream.submit(run, info)
 
     # -- compute -------------------------------------------------------------------------
 
@@ -142,13 +183,27 @@ class JobIssuer:
         if len(op.layers) == 1:
             where += f" ({self.worker.layers[op.layers.start]})"
         posted = self.posted[op.index] = {key: Slot() for key in op.posts}
+        keys = [  # downloaded values that later jobs upload
+            key
+            for key in self.program.downloads.get(op.index, ())
+            if isinstance(key, (Activation, InputGrad))
+        ]
+        launched = threading.Event() if keys else None
+        shapes = {key: Shapes(launched) for key in keys}
+        self.shapes.update(shapes)
 
         def run() -> None:
-            with failure_site(where), device.compute_scope(info):
-                value = body()
-            for key, slot in posted.items():
-                slot.value = value.pop(key, None)
-            result.value = value
+            try:
+                with failure_site(where), device.compute_scope(info):
+                    value = body()
+                for key, slot in posted.items():
+                    slot.value = value.pop(key, None)
+                for key, announced in shapes.items():
+                    announced.announce(value.get(key))
+                result.value = value
+            finally:
+                if launched is not None:
+                    launched.set()
 
         stream.submit(run, info)
 
@@ -191,9 +246,10 @@ class JobIssuer:
 
     # -- downloads and the end of the job -------------------------------------------------
 
-    def download_timing(self, boundary: bool = False) -> TransferTiming:
-        """A timing for a download op about to be issued, handed to the profiler later."""
-        timing = TransferTiming(self.device, "d2h", boundary)
+    def download_timing(self, boundary: bool = False, layer: int | None = None) -> TransferTiming:
+        """A timing for a download op about to be issued, handed to the profiler later
+        (``layer``: for a stage-boundary activation, the layer whose input it is)."""
+        timing = TransferTiming(self.device, "d2h", boundary, layer)
         self.transfers.append(timing)
         return timing
 
@@ -207,7 +263,8 @@ class JobIssuer:
         source, key = self.results[op.inputs[0]], op.key
         what = _WHAT[type(key)](key)
         # Only forward jobs download activations: their output or a saved stage input.
-        timing = self.download_timing(boundary=isinstance(key, Activation))
+        boundary = isinstance(key, Activation)
+        timing = self.download_timing(boundary, key.layer if boundary else None)
         host = Slot()
 
         def download() -> None:
@@ -215,7 +272,10 @@ class JobIssuer:
                 host.value = self.timed_download(timing, stream, source.value.pop(key))
 
         stream.submit(download, self.info(op, "download", f"{what} mb{op.microbatch}"))
-        self.mailbox.post(key, Handoff(host, stream.record()))
+        shapes = self.shapes.pop(key, None)
+        if shapes is not None:  # readers take device memory once it was computed
+            shapes.done = self.events[op.inputs[0]]
+        self.mailbox.post(key, Handoff(host, stream.record(), shapes))
 
     def take_buffers(self, op: DeviceOp, stream: Stream) -> None:
         slot = self.results[op.index]

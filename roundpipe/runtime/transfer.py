@@ -1,20 +1,25 @@
 """Moving pytrees of tensors between host and device, and pairing them with gradients.
 
-Run inside stream ops. Tensors that appear several times in a tree are moved once,
-so aliasing survives the trip (a gradient is then not counted twice).
+An upload is prepared on the issuing thread (:class:`Upload`: its device memory is
+taken then, as CUDA's caching allocator takes it when the host asks) and copied in its
+stream op; everything else here runs inside stream ops. Tensors that appear several
+times in a tree are moved once, so aliasing survives the trip (a gradient is then not
+counted twice).
 """
 
 from __future__ import annotations
 
+import math
+import threading
 from typing import Any
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from ..devices import Device, Stream
+from ..devices import Device, Event, Slot, Stream
 
 
-def _plain_tensors(tree: Any) -> bool:
+def _plain_tensors(tree: Any, leaf: type | tuple[type, ...] = torch.Tensor) -> bool:
     """``tree`` is ``((tensor, ...), {})``, what crosses most stage boundaries."""
     return (
         type(tree) is tuple
@@ -22,41 +27,151 @@ def _plain_tensors(tree: Any) -> bool:
         and type(tree[0]) is tuple
         and type(tree[1]) is dict
         and not tree[1]
-        and all(isinstance(t, torch.Tensor) for t in tree[0])
+        and all(isinstance(t, leaf) for t in tree[0])
     )
 
 
-def _map_unique(tree: Any, fn) -> Any:
-    if _plain_tensors(tree):  # fast path, same result as below
-        moved: dict[int, torch.Tensor] = {}
+def _map_unique(tree: Any, fn, leaf: type | tuple[type, ...] = torch.Tensor) -> Any:
+    if _plain_tensors(tree, leaf):  # fast path, same result as below
+        moved: dict[int, Any] = {}
         for t in tree[0]:
             if id(t) not in moved:
                 moved[id(t)] = fn(t)
         return tuple(moved[id(t)] for t in tree[0]), {}
     leaves, spec = tree_flatten(tree)
-    moved: dict[int, torch.Tensor] = {}
+    moved = {}
     out = []
-    for leaf in leaves:
-        if isinstance(leaf, torch.Tensor):
-            if id(leaf) not in moved:
-                moved[id(leaf)] = fn(leaf)
-            out.append(moved[id(leaf)])
+    for item in leaves:
+        if isinstance(item, leaf):
+            if id(item) not in moved:
+                moved[id(item)] = fn(item)
+            out.append(moved[id(item)])
         else:
-            out.append(leaf)
+            out.append(item)
     return tree_unflatten(out, spec)
 
 
-def upload_tree(device: Device, stream: Stream, tree: Any, requires_grad: bool) -> Any:
-    """Copy every tensor of ``tree`` to ``device``; floating ones become grad leaves if asked."""
+class TensorMeta:
+    """A tensor's shape and dtype, standing in for it where only its size matters (what
+    :meth:`Device.allocate` reads); made without a torch call."""
 
-    def move(host: torch.Tensor) -> torch.Tensor:
-        tensor = device.to_device(host.detach(), stream)
-        device.keep_alive(tensor, device.compute)
-        if requires_grad and tensor.is_floating_point():
-            tensor.requires_grad_(True)
+    __slots__ = ("dtype", "shape")
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.shape, self.dtype = tensor.shape, tensor.dtype
+
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    def element_size(self) -> int:
+        return self.dtype.itemsize
+
+    def detach(self) -> TensorMeta:
+        return self
+
+
+_UNKNOWN = object()
+_POLL_S = 0.01
+
+
+class Shapes:
+    """A downloaded value's shapes, known on the host as soon as the compute op that
+    produced it was launched (its closure ran: on CUDA when it was issued, on the
+    emulator before its modelled kernel time), before the value is on the host.
+
+    The producing op passes its result to :meth:`announce`, then sets ``launched``
+    (shared by the values of one op), also if it failed; a reader's :meth:`tree` is the
+    value's tree with a :class:`TensorMeta` in place of each device tensor, or raises
+    the producing op's error (``done``: its event)."""
+
+    __slots__ = ("_launched", "_tree", "done")
+
+    def __init__(self, launched: threading.Event) -> None:
+        self._launched = launched
+        self._tree: Any = _UNKNOWN
+        self.done: Event | None = None  # the producing op's event, once it was recorded
+
+    def announce(self, value: Any) -> None:
+        self._tree = meta_tree(value)
+
+    def tree(self) -> Any:
+        # An op skipped after an earlier error on its stream never runs: then its event
+        # completes (with the error) without an announcement.
+        while not self._launched.wait(_POLL_S):
+            if self.done is not None and self.done.query():
+                break
+        if self._tree is _UNKNOWN:  # the producing op failed: its event has the error
+            assert self.done is not None
+            self.done.synchronize()
+            raise RuntimeError("a compute op ended without producing a downloaded value")
+        return self._tree
+
+
+def meta_tree(tree: Any) -> Any:
+    """``tree`` with every tensor replaced by its :class:`TensorMeta` (aliasing kept)."""
+    return _map_unique(tree, TensorMeta)
+
+
+class Upload:
+    """The upload of a host pytree to ``device`` on ``stream``, for the compute stream.
+
+    Made on the issuing thread, which takes the device memory of every tensor now;
+    :meth:`run`, inside the stream op, copies the tensors in and returns the device
+    tree (floating tensors made grad leaves if ``requires_grad``). ``tree`` is the
+    host value, or, with ``source``, its :func:`meta_tree`: the host value is then read
+    from ``source`` when the op runs (a download that lands in the page-locked blocks
+    of the pool, so the copy does not block)."""
+
+    __slots__ = ("device", "nbytes", "pairs", "requires_grad", "source", "stream", "tree")
+
+    def __init__(
+        self,
+        device: Device,
+        stream: Stream,
+        tree: Any,
+        requires_grad: bool,
+        source: Slot | None = None,
+    ) -> None:
+        self.device, self.stream, self.requires_grad = device, stream, requires_grad
+        self.source = source
+        self.pairs: list[tuple[torch.Tensor, torch.Tensor]] = []  # (device, host or meta)
+        self.nbytes = 0
+        self.tree = _map_unique(tree, self._allocate, (torch.Tensor, TensorMeta))
+
+    def _allocate(self, host: torch.Tensor | TensorMeta) -> torch.Tensor:
+        host = host.detach()
+        tensor = self.device.allocate(host, self.stream)
+        self.device.keep_alive(tensor, self.device.compute)
+        self.pairs.append((tensor, host))
+        self.nbytes += host.numel() * host.element_size()
         return tensor
 
-    return _map_unique(tree, move)
+    def pageable(self) -> bool:
+        """Whether a copy reads pageable host memory (issuing it blocks the host)."""
+        if self.source is not None:
+            return False  # a download's page-locked block
+        is_pinned = self.device.is_pinned
+        return any(host.numel() and not is_pinned(host) for _, host in self.pairs)
+
+    def run(self) -> Any:
+        """Inside the upload op: copy every tensor in; the device tree."""
+        device, stream = self.device, self.stream
+        tensors = [tensor for tensor, _ in self.pairs]
+        if self.source is None:
+            hosts = [host for _, host in self.pairs]
+        else:
+            hosts = _unique_tensors(self.source.value)
+            if [h.shape for h in hosts] != [t.shape for t in tensors]:
+                raise RuntimeError(
+                    "a downloaded value does not have the shapes its producer announced"
+                )
+        for tensor, host in zip(tensors, hosts, strict=True):
+            device.copy_in(tensor, host, stream)
+        if self.requires_grad:
+            for tensor in tensors:
+                if tensor.is_floating_point():
+                    tensor.requires_grad_(True)
+        return self.tree
 
 
 def download_tree(device: Device, stream: Stream, tree: Any) -> Any:
