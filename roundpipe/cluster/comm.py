@@ -18,7 +18,6 @@ latest, so no rank waits forever.
 from __future__ import annotations
 
 import datetime
-import itertools
 import time
 from collections.abc import Callable
 
@@ -35,8 +34,8 @@ _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_sc
 class PeerFailure(RoundPipeError):
     """Work on another node failed, or a collective with the other nodes did."""
 
-
-_models = itertools.count()  # models are built in the same order on every rank
+    cause: str = ""
+    """For a failed collective: what went wrong, and which ranks did not answer."""
 
 
 class Comm:
@@ -63,7 +62,7 @@ class Comm:
         if backend == "nccl":
             self._buckets = dist.new_group(ranks, **{**kwargs, "backend": "nccl"})
         self._rs_supported = True
-        self._key = f"roundpipe/{next(_models)}/alive/"
+        self._global_ranks = ranks
         self.broken: str | None = None
         """Set by the first failed collective: the group is unusable after it."""
         self.delay_s = 0.0
@@ -169,31 +168,41 @@ class Comm:
         try:
             fn()
         except Exception as exc:
-            silent = self._silent_ranks()
-            cause = (
-                f"rank(s) {silent} did not answer: exited, hung or busy elsewhere"
-                if silent
-                else "another rank probably failed, exited or timed out"
-            )
-            self.broken = f"{what}: {type(exc).__name__}: {exc}; {cause}"
-            raise PeerFailure(
-                f"rank {self.rank} of {self.world}: {what} failed ({type(exc).__name__}: "
-                f"{exc}); {cause}"
-            ) from exc
+            failure = peer_failure(what, self.rank, self._global_ranks, exc)
+            self.broken = f"{what}: {failure.cause}"
+            raise failure from exc
 
-    def _silent_ranks(self, wait_s: float = 3.0) -> list[int] | None:
-        """After a failed collective: the ranks that do not check in on the rendezvous
-        store within ``wait_s`` (every rank whose collective failed checks in)."""
-        try:
-            store = dist.distributed_c10d._get_default_store()
-            store.set(f"{self._key}{self.rank}", "1")
-            keys = [f"{self._key}{r}" for r in range(self.world)]
-            deadline = time.monotonic() + wait_s
-            while time.monotonic() < deadline:
-                silent = [r for r, key in enumerate(keys) if not store.check([key])]
-                if not silent:
-                    return []
-                time.sleep(0.05)
-            return silent
-        except Exception:  # noqa: BLE001 - naming the culprit is best effort
-            return None
+
+def peer_failure(what: str, rank: int, global_ranks: list[int], exc: BaseException) -> PeerFailure:
+    """The error of a failed collective ``what`` on ``rank`` of the group whose ranks
+    are ``global_ranks``, naming the ranks that did not answer (see :func:`silent_ranks`)."""
+    silent = silent_ranks(global_ranks, rank)
+    cause = (
+        f"rank(s) {silent} did not answer: exited, hung or busy elsewhere"
+        if silent
+        else "another rank probably failed, exited or timed out"
+    )
+    failure = PeerFailure(
+        f"rank {rank} of {len(global_ranks)}: {what} failed ({type(exc).__name__}: {exc}); {cause}"
+    )
+    failure.cause = f"{type(exc).__name__}: {exc}; {cause}"
+    return failure
+
+
+def silent_ranks(global_ranks: list[int], rank: int, wait_s: float = 3.0) -> list[int] | None:
+    """After a failed collective: the ranks (of the group ``global_ranks``) that do not
+    check in on the rendezvous store within ``wait_s``. Every process that saw a
+    collective fail checks in once, under its global rank, whatever it was doing."""
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        store.set(f"roundpipe/alive/{global_ranks[rank]}", "1")
+        keys = [f"roundpipe/alive/{g}" for g in global_ranks]
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline:
+            silent = [r for r, key in enumerate(keys) if not store.check([key])]
+            if not silent:
+                return []
+            time.sleep(0.05)
+        return silent
+    except Exception:  # noqa: BLE001 - naming the culprit is best effort
+        return None

@@ -26,6 +26,7 @@ from typing import Any, TypeVar
 import torch
 
 from ..cluster import PeerFailure
+from ..cluster.comm import peer_failure
 from .options import UsageError
 
 LAUNCH_HINT = "torchrun --nnodes K --nproc-per-node 1 ... -m roundpipe train ..."
@@ -115,10 +116,7 @@ class Ranks:
         try:
             collective()
         except Exception as exc:
-            raise PeerFailure(
-                f"rank {self.rank} of {self.world}: {what} failed ({type(exc).__name__}: "
-                f"{exc}); another rank probably failed, exited or timed out"
-            ) from exc
+            raise peer_failure(what, self.rank, list(range(self.world)), exc) from exc
 
 
 def from_environment(env: Mapping[str, str] | None = None) -> Ranks:
