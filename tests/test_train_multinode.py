@@ -318,3 +318,28 @@ def test_torchrun_variables_are_read_and_checked():
     assert [s.shape[0] for s in shares] == [3, 2] and torch.equal(
         torch.cat(shares), batch["input_ids"]
     )
+
+
+def test_ctrl_c_repeated_until_the_ranks_exit_never_kills_one_half_way(files, tmp_path):
+    """Ctrl-C keeps arriving at rank 1 (a terminal's key held down, a slow launcher)
+    while the ranks stop, write their checkpoint and exit: both still exit 130 after
+    writing their shards; none dies of the signal."""
+
+    def args(rank: int) -> list:
+        return [*common(files, steps=5000), "--save-every", "1000",
+                "--output", tmp_path / f"rank{rank}"]  # fmt: skip
+
+    default_sigint = lambda: signal.signal(signal.SIGINT, signal.SIG_DFL)  # noqa: E731
+    processes = start_ranks(2, args, preexec_fn=default_sigint)
+    wait_for_steps(tmp_path / "rank0", 3, processes)
+    deadline = time.monotonic() + LIMIT_S
+    while processes[1].poll() is None and time.monotonic() < deadline:
+        processes[1].send_signal(signal.SIGINT)
+        time.sleep(0.02)
+    done = finish(processes, LIMIT_S)
+    assert [d.returncode for d in done] == [130, 130], [d.stderr for d in done]
+    step = metrics(tmp_path / "rank0")[-1]["step"]
+    for rank in (0, 1):
+        shards = sorted((tmp_path / f"rank{rank}" / "checkpoints").glob("step-*/rank*"))
+        assert [p.name for p in shards] == [f"rank{rank}-of-2"], shards
+        assert shards[0].parent.name == f"step-{step}"

@@ -97,7 +97,11 @@ class StopRequest:
         try:
             yield self
         finally:
-            signal.signal(signal.SIGINT, previous)
+            # Asked to stop where a Ctrl-C never abandons a step (several processes):
+            # the process is on its way out with 130, and a Ctrl-C from now on could only
+            # kill it half-way through its exit while the other ranks wait for it.
+            keep_out = self.requested and not self.abandon
+            signal.signal(signal.SIGINT, signal.SIG_IGN if keep_out else previous)
 
 
 def build_pipe(options: TrainOptions, ranks: Ranks | None = None):
@@ -289,8 +293,8 @@ class Run:
                 if self.ranks.world > 1:
                     raise  # no checkpoint: the others stop at their next collective
                 position = self._after_abandoned_step(position)
-        if position.step != self.saved_step:
-            self._save_checkpoint(position)
+            if position.step != self.saved_step:  # a repeated Ctrl-C as during the steps
+                self._save_checkpoint(position)
         return position, True
 
     def _step(self, before: Position) -> Position:
