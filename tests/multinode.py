@@ -15,6 +15,7 @@ import socket
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -26,6 +27,29 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+@dataclass
+class Done:
+    returncode: int | None
+    stdout: str
+    stderr: str
+
+
+def finish(processes: list[subprocess.Popen], timeout: float) -> list[Done]:
+    """Wait for every process (killing all of them past ``timeout`` seconds)."""
+    deadline = time.monotonic() + timeout
+    done = []
+    for process in processes:
+        try:
+            out, err = process.communicate(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            for other in processes:
+                other.kill()
+            out, err = process.communicate()
+            err += "\n<<killed: timeout>>"
+        done.append(Done(process.returncode, out, err))
+    return done
 
 
 def launch(scenario: str, world: int, tmp_path: Path, timeout: float = 120, **params):
@@ -45,21 +69,11 @@ def launch(scenario: str, world: int, tmp_path: Path, timeout: float = 120, **pa
                 cwd=ROOT,
                 env=env,
                 stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
+                stderr=subprocess.PIPE,
                 text=True,
             )
         )
-    deadline = time.monotonic() + timeout
-    outputs = []
-    for proc in procs:
-        try:
-            out, _ = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            for p in procs:
-                p.kill()
-            out, _ = proc.communicate()
-            out += "\n<<killed: timeout>>"
-        outputs.append(out)
+    outputs = [done.stdout + done.stderr for done in finish(procs, timeout)]
     results = []
     for rank in range(world):
         path = tmp_path / f"rank{rank}.pt"

@@ -221,9 +221,9 @@ def test_a_lost_rank_makes_the_other_exit_nonzero_within_the_timeout(files, tmp_
     assert "Traceback" not in done.stderr
 
 
-def test_ctrl_c_on_one_rank_stops_every_rank_after_the_same_step(files, tmp_path):
-    """Ctrl-C twice on rank 1 (as ``torchrun`` passes on the terminal's): both ranks
-    stop after the same step, write their shard of its checkpoint and exit 130."""
+def start_a_long_run(files, tmp_path) -> list:
+    """Two ranks on a long run (each with its own output, SIGINT left to Python), once
+    rank 0 logged 3 steps."""
 
     def args(rank: int) -> list:
         return [*common(files, steps=5000), "--save-every", "1000",
@@ -232,18 +232,44 @@ def test_ctrl_c_on_one_rank_stops_every_rank_after_the_same_step(files, tmp_path
     default_sigint = lambda: signal.signal(signal.SIGINT, signal.SIG_DFL)  # noqa: E731
     processes = start_ranks(2, args, preexec_fn=default_sigint)
     wait_for_steps(tmp_path / "rank0", 3, processes)
-    processes[1].send_signal(signal.SIGINT)
-    time.sleep(0.05)
-    processes[1].send_signal(signal.SIGINT)
-    done = finish(processes, LIMIT_S)
+    return processes
+
+
+def assert_both_stopped_with_their_shard(done, tmp_path) -> int:
+    """Both ranks exited 130, each with only its shard of the last step's checkpoint;
+    returns that step."""
     assert [d.returncode for d in done] == [130, 130], [d.stderr for d in done]
     step = metrics(tmp_path / "rank0")[-1]["step"]
-    assert f"Ctrl-C: stopped after step {step}" in done[0].stdout
     for rank in (0, 1):
         shards = sorted((tmp_path / f"rank{rank}" / "checkpoints").glob("step-*/rank*"))
         assert [p.relative_to(tmp_path / f"rank{rank}" / "checkpoints") for p in shards] == [
             Path(f"step-{step}") / f"rank{rank}-of-2"
         ]
+    return step
+
+
+def test_ctrl_c_on_one_rank_stops_every_rank_after_the_same_step(files, tmp_path):
+    """Ctrl-C twice on rank 1 (as ``torchrun`` passes on the terminal's): both ranks
+    stop after the same step, write their shard of its checkpoint and exit 130."""
+    processes = start_a_long_run(files, tmp_path)
+    processes[1].send_signal(signal.SIGINT)
+    time.sleep(0.05)
+    processes[1].send_signal(signal.SIGINT)
+    done = finish(processes, LIMIT_S)
+    step = assert_both_stopped_with_their_shard(done, tmp_path)
+    assert f"Ctrl-C: stopped after step {step}" in done[0].stdout
+
+
+def test_ctrl_c_repeated_until_the_ranks_exit_never_kills_one_half_way(files, tmp_path):
+    """Ctrl-C keeps arriving at rank 1 (a terminal's key held down, a slow launcher)
+    while the ranks stop, write their checkpoint and exit: both still exit 130 after
+    writing their shards; none dies of the signal."""
+    processes = start_a_long_run(files, tmp_path)
+    deadline = time.monotonic() + LIMIT_S
+    while processes[1].poll() is None and time.monotonic() < deadline:
+        processes[1].send_signal(signal.SIGINT)
+        time.sleep(0.02)
+    assert_both_stopped_with_their_shard(finish(processes, LIMIT_S), tmp_path)
 
 
 # -- the pieces, in-process --------------------------------------------------------------
@@ -318,28 +344,3 @@ def test_torchrun_variables_are_read_and_checked():
     assert [s.shape[0] for s in shares] == [3, 2] and torch.equal(
         torch.cat(shares), batch["input_ids"]
     )
-
-
-def test_ctrl_c_repeated_until_the_ranks_exit_never_kills_one_half_way(files, tmp_path):
-    """Ctrl-C keeps arriving at rank 1 (a terminal's key held down, a slow launcher)
-    while the ranks stop, write their checkpoint and exit: both still exit 130 after
-    writing their shards; none dies of the signal."""
-
-    def args(rank: int) -> list:
-        return [*common(files, steps=5000), "--save-every", "1000",
-                "--output", tmp_path / f"rank{rank}"]  # fmt: skip
-
-    default_sigint = lambda: signal.signal(signal.SIGINT, signal.SIG_DFL)  # noqa: E731
-    processes = start_ranks(2, args, preexec_fn=default_sigint)
-    wait_for_steps(tmp_path / "rank0", 3, processes)
-    deadline = time.monotonic() + LIMIT_S
-    while processes[1].poll() is None and time.monotonic() < deadline:
-        processes[1].send_signal(signal.SIGINT)
-        time.sleep(0.02)
-    done = finish(processes, LIMIT_S)
-    assert [d.returncode for d in done] == [130, 130], [d.stderr for d in done]
-    step = metrics(tmp_path / "rank0")[-1]["step"]
-    for rank in (0, 1):
-        shards = sorted((tmp_path / f"rank{rank}" / "checkpoints").glob("step-*/rank*"))
-        assert [p.name for p in shards] == [f"rank{rank}-of-2"], shards
-        assert shards[0].parent.name == f"step-{step}"

@@ -12,21 +12,12 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
-from multinode import free_port
+from multinode import finish, free_port
 
 REPO = Path(__file__).resolve().parent.parent
-
-
-@dataclass
-class Done:
-    returncode: int | None
-    stdout: str
-    stderr: str
 
 
 def _env(extra: dict[str, str] | None = None) -> dict[str, str]:
@@ -61,22 +52,6 @@ def start_ranks(
             )  # fmt: skip
         )
     return processes
-
-
-def finish(processes: list[subprocess.Popen], timeout: float) -> list[Done]:
-    """Wait for every process (killing all of them past ``timeout`` seconds)."""
-    deadline = time.monotonic() + timeout
-    done = []
-    for process in processes:
-        try:
-            out, err = process.communicate(timeout=max(1.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            for other in processes:
-                other.kill()
-            out, err = process.communicate()
-            err += "\n<<killed: timeout>>"
-        done.append(Done(process.returncode, out, err))
-    return done
 
 
 def run_ranks(world: int, args_of: Callable[[int], Sequence[object]], timeout: float = 180):

@@ -74,14 +74,14 @@ class Comm:
 
     def gather_ints(self, values: list[int], what: str) -> list[list[int]]:
         """Every rank's ``values`` (the same length on all), by rank."""
-        mine = torch.tensor(values, dtype=torch.int64)
-        out = torch.empty(self.world * len(values), dtype=torch.int64)
-        self._run(what, lambda: _all_gather(out, mine, group=self._caller))
-        return out.view(self.world, len(values)).tolist()
+        return self._gather(values, torch.int64, what)
 
     def gather_floats(self, values: list[float], what: str) -> list[list[float]]:
-        mine = torch.tensor(values, dtype=torch.float64)
-        out = torch.empty(self.world * len(values), dtype=torch.float64)
+        return self._gather(values, torch.float64, what)
+
+    def _gather(self, values: list, dtype: torch.dtype, what: str) -> list[list]:
+        mine = torch.tensor(values, dtype=dtype)
+        out = torch.empty(self.world * len(values), dtype=dtype)
         self._run(what, lambda: _all_gather(out, mine, group=self._caller))
         return out.view(self.world, len(values)).tolist()
 
@@ -111,24 +111,26 @@ class Comm:
     def reduce(self, tensor: torch.Tensor, owner: int, what: str) -> None:
         """``tensor`` on rank ``owner`` becomes the sum over ranks of ``tensor``."""
         dst = dist.get_global_rank(self._buckets, owner)
-
-        def reduce(out: torch.Tensor, source: torch.Tensor) -> None:
-            if out is not source:
-                out.copy_(source)
-            dist.reduce(out, dst, group=self._buckets)
-
-        self._timed(what, lambda: self._staged(reduce, tensor, tensor))
+        self._timed(
+            what, lambda: self._in_place(lambda t: dist.reduce(t, dst, group=self._buckets), tensor)
+        )
 
     def broadcast(self, tensor: torch.Tensor, owner: int, what: str) -> None:
         """Every rank's ``tensor`` becomes rank ``owner``'s."""
         src = dist.get_global_rank(self._buckets, owner)
+        self._timed(
+            what,
+            lambda: self._in_place(lambda t: dist.broadcast(t, src, group=self._buckets), tensor),
+        )
 
-        def broadcast(out: torch.Tensor, source: torch.Tensor) -> None:
-            if out is not source:
-                out.copy_(source)
-            dist.broadcast(out, src, group=self._buckets)
-
-        self._timed(what, lambda: self._staged(broadcast, tensor, tensor))
+    def _in_place(self, collective, tensor: torch.Tensor) -> None:
+        """``collective(tensor)`` in place, on a device copy of it with NCCL."""
+        if self._staging is None:
+            collective(tensor)
+            return
+        staged = tensor.to(self._staging)
+        collective(staged)
+        tensor.copy_(staged)  # on the current stream, after the collective: host waits
 
     def _staged(self, collective, out: torch.Tensor, source: torch.Tensor) -> None:
         """``collective(out, source)`` on host tensors, or on device copies (NCCL)."""

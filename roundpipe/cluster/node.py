@@ -82,8 +82,8 @@ class NodeSync:
                 "alike on every rank)"
             )
 
-    def sum_over_nodes(self, value: float, what: str) -> float:
-        return sum(row[0] for row in self.comm.gather_floats([float(value)], what))
+    def sum_over_nodes(self, value: int, what: str) -> int:
+        return sum(row[0] for row in self.comm.gather_ints([int(value)], what))
 
     def global_loss(self, local: torch.Tensor | None, error: BaseException | None):
         """The loss over every node's batch (``local`` None: the call failed here), and
@@ -105,10 +105,9 @@ class NodeSync:
         self.comm.all_reduce(tensor, "an all-reduce inside step_fn", op)
 
     def step(self, calls: Iterable[Call], step_fn: Callable[[], BaseException | None]):
-        """Reduce, agree, run ``step_fn`` (returns its error), agree again.
-
-        Returns ``(error, skipped)``: the error to report for this step, and whether it
-        was skipped because a call failed (on this node or another)."""
+        """Reduce, agree, run ``step_fn`` (returns its error), agree again; returns the
+        error to report for this step (None also for a step skipped because a call
+        failed here: the calls' own errors reach the caller)."""
         calls = tuple(calls)
         reduced, present = self._reduce(calls)
         failed_here = any(call.latch.wait() is not None for call in calls)
@@ -118,8 +117,8 @@ class NodeSync:
             for call in calls:
                 call.discarded_grads = call.discarded_grads or call.accumulated
             if failed_here:
-                return None, True  # the calls' own errors reach the caller
-            return PeerFailure(f"a call failed on rank(s) {failed}: the step was skipped"), True
+                return None
+            return PeerFailure(f"a call failed on rank(s) {failed}: the step was skipped")
         self._install(reduced, anywhere)
         error = step_fn()
         failed, _ = self._agree(error is not None, None, "the step_fn status exchange")
@@ -128,7 +127,7 @@ class NodeSync:
                 f"step_fn failed on rank(s) {failed}; this rank's step ran (the weights "
                 "stay the same on every rank: each publishes what its step left)"
             )
-        return error, False
+        return error
 
     def _reduce(self, calls: tuple[Call, ...]) -> tuple[list[torch.Tensor | None], list[int]]:
         present = [0] * len(self.uids)

@@ -87,7 +87,7 @@ class HFRoundPipe(RoundPipe):
         if self._node is None:
             return _label_tokens(labels)
         local = int((labels[:, 1:] != IGNORE_INDEX).sum())
-        count = round(self._node.sum_over_nodes(local, "the label-token count"))
+        count = self._node.sum_over_nodes(local, "the label-token count")
         if count == 0:
             _label_tokens(labels)  # raises, on every rank
         return count

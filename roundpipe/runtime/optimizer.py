@@ -96,10 +96,9 @@ class OptimizerThread:
         """Run the step unless a call before it failed; return ``step_fn``'s error."""
         if self.node is not None:
             try:
-                error, _ = self.node.step(task.calls, lambda: self._run_step_fn(task))
+                return self.node.step(task.calls, lambda: self._run_step_fn(task))
             except BaseException as exc:  # noqa: BLE001 - a collective failed: reported
                 return exc
-            return error
         failed = [call for call in task.calls if call.latch.wait() is not None]
         if failed:
             # The failed calls' errors reach the caller through the calls themselves.
