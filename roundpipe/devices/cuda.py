@@ -71,8 +71,9 @@ class _CudaTimer(Timer):
     """A pair of timing events on the current stream."""
 
     def __init__(self) -> None:
-        self._start = torch.cuda.Event(enable_timing=True)
-        self._stop = torch.cuda.Event(enable_timing=True)
+        # blocking: ``seconds`` waits on the stop event, which must not spin a core
+        self._start = torch.cuda.Event(enable_timing=True, blocking=True)
+        self._stop = torch.cuda.Event(enable_timing=True, blocking=True)
 
     def start(self) -> None:
         self._start.record()
@@ -306,7 +307,7 @@ class CudaDevicePool(DevicePool):
         self._origin = {}
         for device in self.devices:
             with torch.cuda.device(device.index):
-                origin = torch.cuda.Event(enable_timing=True)
+                origin = torch.cuda.Event(enable_timing=True, blocking=True)
                 origin.record()
             self._origin[device.index] = (origin, time.perf_counter())
         self._recording = True
@@ -314,7 +315,7 @@ class CudaDevicePool(DevicePool):
     def timing_start(self, stream: torch.cuda.Stream) -> torch.cuda.Event | None:
         if not self._recording:
             return None
-        event = torch.cuda.Event(enable_timing=True)
+        event = torch.cuda.Event(enable_timing=True, blocking=True)
         event.record(stream)
         return event
 
@@ -323,7 +324,7 @@ class CudaDevicePool(DevicePool):
     ) -> None:
         if start is None:
             return
-        end = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True, blocking=True)
         end.record(stream)
         self._pending.append((device, name, info, start, end))
 
