@@ -9,15 +9,21 @@ one optimizer step per iteration:
 
 After warm-up the runs alternate (A, B, A, B, ...) so drift on a shared machine
 hits both alike; the medians and their ratio RoundPipe / PyTorch are printed.
+``--cpu`` adds where RoundPipe's CPU time goes: per thread, CPU milliseconds per step
+during its timed steps (Linux: read from ``/proc/self/task``).
 
     .venv/bin/python bench/overhead.py --repeats 7
+    .venv/bin/python bench/overhead.py --plan "12|1,1,1,1,1,1,1,1,1,1,1,1,1" --cpu
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import copy
+import os
 import statistics
+import threading
 import time
 from collections.abc import Callable
 
@@ -100,6 +106,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--threads", type=int, default=1, help="torch intra-op threads (1: steady on a busy CPU)"
     )
+    parser.add_argument(
+        "--cpu", action="store_true", help="print RoundPipe's CPU time per thread (Linux)"
+    )
     return parser.parse_args()
 
 
@@ -113,15 +122,21 @@ def main() -> None:
             "roundpipe": roundpipe_step(pipe, 1e-4),
             "pytorch": pytorch_step(copy.deepcopy(model), args.microbatches, 1e-4),
         }
-        times = run_interleaved(steps, args)
+        cpu: collections.Counter = collections.Counter()
+        times = run_interleaved(steps, args, cpu if args.cpu else None)
         plan = pipe.plan
     report(times, args, plan)
+    if args.cpu:
+        report_cpu(cpu, args.repeats, times["pytorch"])
 
 
 def run_interleaved(
-    steps: dict[str, Callable[..., None]], args: argparse.Namespace
+    steps: dict[str, Callable[..., None]],
+    args: argparse.Namespace,
+    cpu: collections.Counter | None = None,
 ) -> dict[str, list[float]]:
-    """Warm up each, then time them alternately: A, B, A, B, ..."""
+    """Warm up each, then time them alternately: A, B, A, B, ... With ``cpu``, add the
+    CPU seconds each thread used during the timed RoundPipe steps (read outside them)."""
     x = torch.randn(args.batch, args.width)
     y = torch.randn(args.batch, 1)
     for _ in range(args.warmup):
@@ -130,8 +145,45 @@ def run_interleaved(
     times: dict[str, list[float]] = {name: [] for name in steps}
     for _ in range(args.repeats):
         for name, step in steps.items():
+            before = thread_cpu_seconds() if cpu is not None and name == "roundpipe" else None
             times[name].append(timed(step, x, y))
+            if before is not None:
+                cpu.update({k: v - before.get(k, 0.0) for k, v in thread_cpu_seconds().items()})
     return times
+
+
+def thread_cpu_seconds() -> dict[str, float]:
+    """CPU seconds (user + system) used so far by each live thread of this process, by
+    thread name (Linux only: empty elsewhere)."""
+    names = {t.native_id: t.name for t in threading.enumerate()}
+    tick = os.sysconf("SC_CLK_TCK")
+    seconds: dict[str, float] = collections.defaultdict(float)
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return {}
+    for tid in tids:
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:  # the thread ended meanwhile
+            continue
+        seconds[names.get(int(tid), f"thread {tid}")] += (int(fields[11]) + int(fields[12])) / tick
+    return dict(seconds)
+
+
+def report_cpu(cpu: collections.Counter, repeats: int, pytorch: list[float]) -> None:
+    """Per thread, CPU ms per RoundPipe step (clock ticks: about ±10 ms / repeats)."""
+    if not cpu:
+        print("per-thread CPU time needs Linux's /proc")
+        return
+    print(
+        f"roundpipe CPU per step by thread (pytorch: {statistics.mean(pytorch) * 1e3:.1f} ms wall):"
+    )
+    for name, seconds in cpu.most_common():
+        if seconds > 0:
+            print(f"  {name:40s} {seconds / repeats * 1e3:7.1f} ms")
+    print(f"  {'total':40s} {sum(cpu.values()) / repeats * 1e3:7.1f} ms")
 
 
 def report(times: dict[str, list[float]], args: argparse.Namespace, plan: object) -> None:
