@@ -23,9 +23,11 @@ claims is pinned down directly, at the device API, below the runtime:
   once it has run (CUDA stages pageable memory synchronously); only memory passed
   through ``pool.pin`` counts as page-locked, and a file mapping never does.
 
-Time is asserted against generous fractions of the modelled durations (the machine
-running the tests may be small and busy); every wait has a timeout so that a broken
-model fails instead of hanging.
+Durations are read from the spans the pool records: the emulator keeps modelled time
+on the wall clock (an op ends when its modelled time has passed, never earlier), so a
+span is at least its modelled duration however busy the machine is. Streams are held
+by waits on host-completed events, which hold one stream, not its device; every wait
+has a timeout so that a broken model fails instead of hanging.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ import torch
 
 import roundpipe.devices.emulated_memory as emulated_memory
 from roundpipe.devices import EmulatedDevicePool, EmulatedOptions, OpInfo, Slot
+from roundpipe.devices.emulated_stream import HostEvent
 
 TIMEOUT_S = 10.0
 MB = 1_000_000  # bandwidths are in GB/s = 1e9 bytes per second
@@ -50,18 +53,22 @@ def floats(nbytes: int) -> torch.Tensor:
 
 
 class Harness:
-    """Pools and host-side gates for one test; everything is released at teardown.
+    """Pools and host-completed gates for one test; everything is released at teardown.
 
-    ``submit`` numbers the ops it submits in issue order, which is the ticket the pool
-    gives them, as long as every op of the pool is submitted through it."""
+    Every pool records spans from its creation: an op's span starts when the op was
+    ready (at its stream's head, waits satisfied; for a copy, before any wait for its
+    engine) and ends when its modelled time is over. ``submit`` numbers the ops it
+    submits in issue order, which is the ticket the pool gives them, as long as every
+    op of the pool is submitted through it."""
 
     def __init__(self) -> None:
         self.pools: list[EmulatedDevicePool] = []
-        self.gates: list[threading.Event] = []
+        self.gates: list[HostEvent] = []
         self.issued: dict[int, int] = {}  # id(pool) -> ops submitted so far
 
     def pool(self, n: int = 1, **options) -> EmulatedDevicePool:
         pool = EmulatedDevicePool(n, EmulatedOptions(**options))
+        pool.start_recording()
         self.pools.append(pool)
         self.issued[id(pool)] = 0
         return pool
@@ -74,31 +81,17 @@ class Harness:
         stream.submit(fn, OpInfo("upload", label))
         return ticket
 
-    def block(self, stream, release: threading.Event | None = None) -> threading.Event:
-        """Submit an op that holds ``stream`` until the returned event is set."""
-        release = release or threading.Event()
+    def block(self, stream, release: HostEvent | None = None) -> HostEvent:
+        """Hold ``stream`` (not its device) until the returned event is ``set()``."""
+        release = release or stream.device.pool.host_event()
         self.gates.append(release)
-
-        def gate() -> None:
-            if not release.wait(TIMEOUT_S):
-                raise TimeoutError("a test gate was never released")
-
-        self.submit(stream, gate, "gate")
+        stream.wait(release)
         return release
 
-    def copy(
-        self,
-        stream,
-        nbytes: int,
-        log: dict | None = None,
-        name: str = "",
-        started: threading.Event | None = None,
-    ) -> int:
-        """Submit an op copying ``nbytes`` host→device on ``stream``; its ticket.
-
-        The destination is allocated now, on the host, so the op does nothing but copy;
-        ``log[name]`` gets (op reached its copy, copy done) as perf_counter times; the
-        first includes no wait for the engine, the second does."""
+    def copy(self, stream, nbytes: int, name: str = "", started=None) -> int:
+        """Submit an op copying ``nbytes`` host→device on ``stream``, labelled ``name``;
+        its ticket. The destination is allocated now, on the host, so the op does
+        nothing but copy; ``started`` (a ``threading.Event``) is set when it starts."""
         device = stream.device
         src = floats(nbytes)
         dst = device.allocate(src, stream)
@@ -106,23 +99,25 @@ class Harness:
         def op() -> None:
             if started is not None:
                 started.set()
-            start = time.perf_counter()
             device.copy_in(dst, src, stream)
-            if log is not None:
-                log[name] = (start, time.perf_counter())
 
         return self.submit(stream, op, name)
 
     def close(self) -> None:
         for gate in self.gates:
             gate.set()
-        # A stream thread stuck in a copy engine would hang ``close`` (it joins them).
+        # An executor stuck on a copy engine would hang ``close`` (it joins them).
         closer = threading.Thread(target=lambda: [pool.close() for pool in self.pools])
         closer.daemon = True
         closer.start()
         closer.join(TIMEOUT_S)
         if closer.is_alive():
-            pytest.fail("a stream thread did not stop: stuck waiting for a copy engine?")
+            pytest.fail("an executor thread did not stop: stuck waiting for a copy engine?")
+
+
+def spans(pool: EmulatedDevicePool) -> dict[str, tuple[float, float]]:
+    """(start, end) of the ops run so far, by label."""
+    return {span.info.label: (span.start, span.end) for span in pool.spans()}
 
 
 @pytest.fixture
@@ -314,65 +309,66 @@ def test_memory_lives_as_long_as_any_tensor_using_it(harness):
 
 # -- FIFO copy engines ---------------------------------------------------------------
 
-GBPS = 0.1  # slow, so that threads have time to reach their copies: 1 MB takes 10 ms
+GBPS = 0.1  # slow, against scheduling noise: 1 MB takes 10 ms
 
 
 def test_the_earliest_issued_ready_copy_goes_first(harness):
-    device = harness.pool(1, h2d_gbps=GBPS).devices[0]
+    pool = harness.pool(1, h2d_gbps=GBPS)
+    device = pool.devices[0]
     device.h2d.record_order = True
-    log: dict = {}
     copying = threading.Event()
     release = harness.block(device.act_upload)
-    w1 = harness.copy(device.weight_upload, 8 * MB, log, "w1", started=copying)  # 80 ms
-    a1 = harness.copy(device.act_upload, 1 * MB, log, "a1")  # behind the blocked stream
-    w2 = harness.copy(device.weight_upload, 1 * MB, log, "w2")
+    w1 = harness.copy(device.weight_upload, 8 * MB, "w1", started=copying)  # 80 ms
+    a1 = harness.copy(device.act_upload, 1 * MB, "a1")  # behind the held stream
+    w2 = harness.copy(device.weight_upload, 1 * MB, "w2")
     assert copying.wait(TIMEOUT_S)
-    time.sleep(0.01)  # let w1 reach the engine
+    time.sleep(0.01)
     release.set()  # a1 becomes ready while w1 is copying; w2 is ready once w1 ends
     drain(device.weight_upload, device.act_upload)
     assert device.h2d.served == [w1, a1, w2]  # a1 was issued before w2: no weight priority
-    # (start is when the op reached its copy, end when the copy was done)
-    assert log["w2"][1] - log["a1"][1] >= 0.7 * 1 * MB / (GBPS * 1e9)
+    ran = spans(pool)
+    assert ran["w2"][1] - ran["a1"][1] >= 0.99 * 1 * MB / (GBPS * 1e9)
+    assert ran["a1"][1] - ran["w1"][1] >= 0.99 * 1 * MB / (GBPS * 1e9)
 
 
 def test_an_activation_upload_does_not_jump_ahead_of_chunks_issued_before_it(harness):
     """Chunks 2-4 are not copying yet when the activation copy becomes ready, but were
     issued before it, and each is ready the moment the one before it has been copied."""
-    device = harness.pool(1, h2d_gbps=GBPS).devices[0]
+    pool = harness.pool(1, h2d_gbps=GBPS)
+    device = pool.devices[0]
     device.h2d.record_order = True
-    log: dict = {}
     copying = threading.Event()
     release = harness.block(device.act_upload)
-    chunks = [harness.copy(device.weight_upload, 6 * MB, log, "w1", started=copying)]
-    chunks += [harness.copy(device.weight_upload, 4 * MB, log, f"w{i}") for i in (2, 3, 4)]
-    act = harness.copy(device.act_upload, 1 * MB, log, "act")
+    chunks = [harness.copy(device.weight_upload, 6 * MB, "w1", started=copying)]
+    chunks += [harness.copy(device.weight_upload, 4 * MB, f"w{i}") for i in (2, 3, 4)]
+    act = harness.copy(device.act_upload, 1 * MB, "act")
     assert copying.wait(TIMEOUT_S)
-    time.sleep(0.01)  # let chunk 1 reach the engine
+    time.sleep(0.01)
     release.set()  # act is ready about 50 ms before chunk 1 ends
     drain(device.weight_upload, device.act_upload)
     assert device.h2d.served == [*chunks, act]
-    # (start is when the op reached its copy, end when the copy was done)
-    assert log["act"][1] - log["w4"][1] >= 0.7 * 1 * MB / (GBPS * 1e9)
-    assert log["act"][1] - log["act"][0] >= 0.7 * 13 * MB / (GBPS * 1e9)  # chunks 2-4 too
+    ran = spans(pool)
+    assert ran["act"][1] - ran["w4"][1] >= 0.99 * 1 * MB / (GBPS * 1e9)
+    # from ready to done, the activation copy waited for chunks 2-4 too
+    assert ran["act"][1] - ran["act"][0] >= 0.99 * 13 * MB / (GBPS * 1e9)
 
 
 def test_an_earlier_copy_that_is_not_ready_does_not_hold_back_a_later_one(harness):
     """A copy whose stream waits on an unfinished event is not ready; when the engine
     frees up it serves the later-issued ready copy instead of idling."""
-    device = harness.pool(1, h2d_gbps=GBPS).devices[0]
+    pool = harness.pool(1, h2d_gbps=GBPS)
+    device = pool.devices[0]
     device.h2d.record_order = True
-    log: dict = {}
     copying = threading.Event()
     compute, act_gate = harness.block(device.compute), harness.block(device.act_upload)
-    w0 = harness.copy(device.weight_upload, 4 * MB, log, "w0", started=copying)  # 40 ms
+    w0 = harness.copy(device.weight_upload, 4 * MB, "w0", started=copying)  # 40 ms
     device.weight_upload.wait(device.compute.record())
-    w1 = harness.copy(device.weight_upload, 1 * MB, log, "w1")
-    a = harness.copy(device.act_upload, 1 * MB, log, "a")
+    w1 = harness.copy(device.weight_upload, 1 * MB, "w1")
+    a = harness.copy(device.act_upload, 1 * MB, "a")
     assert copying.wait(TIMEOUT_S)
-    time.sleep(0.01)  # let w0 reach the engine
     act_gate.set()  # a waits for w0; w1 is issued before a but waits for the compute stream
     drain(device.act_upload)
-    assert "w1" not in log
+    assert "w1" not in spans(pool)
     compute.set()
     drain(device.weight_upload)
     assert device.h2d.served == [w0, a, w1]
@@ -385,38 +381,37 @@ SLOW_COPY_S = SLOW_BYTES / (SLOW_GBPS * 1e9)  # 80 ms: long against scheduling n
 
 def concurrent_copies(harness, pool, jobs: list[tuple[int, str]]) -> float:
     """Copy ``SLOW_BYTES`` on each (device index, stream name) at once: the ops are all
-    issued behind one gate first. Seconds from the first op reaching its copy to the
-    last copy done. "download" copies device→host, the upload streams host→device."""
-    log: dict = {}
-    release = threading.Event()
+    issued behind one gate first. Seconds from the first op being ready to the last
+    copy done. "download" copies device→host, the upload streams host→device."""
+    release = pool.host_event()
     streams = [pool.devices[index].streams[name] for index, name in jobs]
     for stream in dict.fromkeys(streams):
         harness.block(stream, release)
-    for i, stream in enumerate(streams):
+    labels = [f"concurrent {len(pool.spans())} {i}" for i in range(len(jobs))]
+    for label, stream in zip(labels, streams, strict=True):
         if stream.name != "download":
-            harness.copy(stream, SLOW_BYTES, log, i)
+            harness.copy(stream, SLOW_BYTES, label)
             continue
         device = stream.device
         tensor = device.allocate(floats(SLOW_BYTES), stream)
 
-        def download(device=device, stream=stream, tensor=tensor, i=i) -> None:
-            start = time.perf_counter()
+        def download(device=device, stream=stream, tensor=tensor) -> None:
             device.to_host(tensor, stream)
-            log[i] = (start, time.perf_counter())
 
-        harness.submit(stream, download)
+        harness.submit(stream, download, label)
     release.set()
     drain(*streams)
-    assert len(log) == len(jobs)
-    return max(end for _, end in log.values()) - min(start for start, _ in log.values())
+    ran = spans(pool)
+    assert all(label in ran for label in labels)
+    return max(ran[label][1] for label in labels) - min(ran[label][0] for label in labels)
 
 
 def test_an_engine_copies_one_at_a_time_and_directions_are_separate(harness):
     pool = harness.pool(1, h2d_gbps=SLOW_GBPS, d2h_gbps=SLOW_GBPS)
     both_h2d = concurrent_copies(harness, pool, [(0, "weight_upload"), (0, "act_upload")])
-    assert both_h2d >= 0.7 * 2 * SLOW_COPY_S
+    assert both_h2d >= 0.99 * 2 * SLOW_COPY_S
     h2d_and_d2h = concurrent_copies(harness, pool, [(0, "weight_upload"), (0, "download")])
-    assert h2d_and_d2h >= 0.7 * SLOW_COPY_S
+    assert h2d_and_d2h >= 0.99 * SLOW_COPY_S
     assert h2d_and_d2h < 0.75 * both_h2d
 
 
@@ -426,40 +421,47 @@ def test_an_engine_copies_one_at_a_time_and_directions_are_separate(harness):
 def test_a_copy_takes_at_least_its_modelled_time(harness):
     nbytes, gbps = 8 * MB, 0.5
     modelled = nbytes / (gbps * 1e9)  # 16 ms
-    device = harness.pool(1, h2d_gbps=gbps, d2h_gbps=gbps).devices[0]
-    log: dict = {}
-    harness.copy(device.weight_upload, nbytes, log, "h2d")
+    pool = harness.pool(1, h2d_gbps=gbps, d2h_gbps=gbps)
+    device = pool.devices[0]
+    harness.copy(device.weight_upload, nbytes, "h2d")
     on_device = device.allocate(floats(nbytes), device.download)
     back = Slot()
 
     def download() -> None:
-        start = time.perf_counter()
         back.value = device.to_host(on_device, device.download)
-        log["d2h"] = (start, time.perf_counter())
 
-    harness.submit(device.download, download)
+    harness.submit(device.download, download, "d2h")
+    started = time.perf_counter()
     drain(device.weight_upload, device.download)
-    for direction in ("h2d", "d2h"):
-        start, end = log[direction]
-        assert end - start >= 0.7 * modelled, direction
+    assert time.perf_counter() - started >= 0.99 * modelled  # the host waited for it
+    for direction, (start, end) in spans(pool).items():
+        assert end - start >= 0.99 * modelled, direction
         assert end - start < 2.0, direction  # modelled, not stuck
     torch.testing.assert_close(back.value, on_device, equal_nan=True)
+
+
+def test_a_copy_outside_any_op_blocks_the_calling_thread_for_its_modelled_time(harness):
+    nbytes, gbps = 8 * MB, 0.5
+    device = harness.pool(1, h2d_gbps=gbps).devices[0]
+    started = time.perf_counter()
+    device.to_device(floats(nbytes), device.act_upload)
+    assert time.perf_counter() - started >= 0.99 * nbytes / (gbps * 1e9)
 
 
 def test_all_devices_share_the_host_memory_bus(harness):
     jobs = [(i, "weight_upload") for i in range(4)]
     pool = harness.pool(4, h2d_gbps=SLOW_GBPS, host_gbps=SLOW_GBPS)
     shared = concurrent_copies(harness, pool, jobs)
-    assert shared >= 0.7 * 4 * SLOW_COPY_S
+    assert shared >= 0.99 * 4 * SLOW_COPY_S
     unshared = concurrent_copies(harness, harness.pool(4, h2d_gbps=SLOW_GBPS), jobs)
-    assert unshared >= 0.7 * SLOW_COPY_S
+    assert unshared >= 0.99 * SLOW_COPY_S
     assert unshared < 0.6 * shared
 
 
 def test_both_directions_share_the_host_memory_bus(harness):
     pool = harness.pool(2, h2d_gbps=SLOW_GBPS, d2h_gbps=SLOW_GBPS, host_gbps=SLOW_GBPS)
     shared = concurrent_copies(harness, pool, [(0, "weight_upload"), (1, "download")])
-    assert shared >= 0.7 * 2 * SLOW_COPY_S
+    assert shared >= 0.99 * 2 * SLOW_COPY_S
 
 
 # -- sticky errors -------------------------------------------------------------------

@@ -9,8 +9,8 @@
   the copy ran. Uploads from page-locked memory (the download pool, pinned inputs) do
   not block.
 
-The device's activation-upload stream is held by a gate op, so what the host issued
-is seen before anything of it has run; every wait has a timeout.
+The device's activation-upload stream is held by a wait on a host-completed event, so
+what the host issued is seen before anything of it has run; every wait has a timeout.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from oracle import mse_sum
 from torch import nn
 
 from roundpipe import RoundPipe, RoundPipeRunConfig
-from roundpipe.devices import EmulatedDevicePool, EmulatedOptions, OpInfo
+from roundpipe.devices import EmulatedDevicePool, EmulatedOptions
 
 TIMEOUT_S = 10.0
 WIDTH, ROWS, MICROBATCHES = 32, 64, 4  # activations 4x a layer's weights
@@ -55,8 +55,9 @@ def until(condition, timeout: float = 5.0) -> bool:
 
 class GatedCall:
     """One ``forward_backward`` on one emulated device, run on a thread while the
-    device's activation-upload stream is held by a gate op submitted before it (with
-    ``warm``, after a first, ungated call: threads started and lazy imports done)."""
+    device's activation-upload stream is held by a wait on a host-completed gate queued
+    before it (with ``warm``, after a first, ungated call: threads started and lazy
+    imports done)."""
 
     def __init__(
         self, pin_model: str = "auto", gate_weight_chunks=True, warm=False, **options
@@ -74,10 +75,8 @@ class GatedCall:
             self._run()
             assert self.error is None
             self.pipe.synchronize()
-        self.gate = threading.Event()
-        self.device.act_upload.submit(
-            lambda: self.gate.wait(TIMEOUT_S), OpInfo("upload", "test gate")
-        )
+        self.gate = self.pool.host_event()
+        self.device.act_upload.wait(self.gate)
         self.thread = threading.Thread(target=self._run, daemon=True)
 
     error: BaseException | None = None
@@ -139,7 +138,7 @@ def test_a_capacity_that_fits_only_if_uploads_were_charged_late_raises_when_issu
     try:
         # refused on the issuing thread while the device has run none of the uploads
         assert until(lambda: bool(refused)), "an over-capacity upload was issued anyway"
-        assert not call.gate.is_set()
+        assert not call.gate.query()
     finally:
         call.finish()
     assert isinstance(call.error, torch.OutOfMemoryError)

@@ -1,8 +1,11 @@
-"""N virtual devices inside one process, on the CPU (DESIGN.md §5).
+"""N virtual devices inside one process, on the CPU (DESIGN.md §5, §9).
 
-Each stream is an ordered queue run by its own thread; events are recorded on one
-stream and waited on by others exactly as CUDA does (:mod:`.emulated_stream`). Where
-it matters the emulator is never kinder than a GPU:
+Each device has four streams, FIFO queues of ops and event waits
+(:mod:`.emulated_stream`), run by one executor thread per device in *modelled time*
+(:mod:`.emulated_executor`): an op's closure runs when the op starts, and the op ends
+when its modelled kernel or copy time has passed, while the device's other streams go
+on, as on a GPU. Events are recorded on one stream and waited on by others exactly as
+CUDA does. Where it matters the emulator is never kinder than a GPU:
 
 - device memory is taken when the host allocates it, as CUDA's caching allocator
   does, checked against a per-device capacity (``torch.OutOfMemoryError``), handed
@@ -40,9 +43,10 @@ from .base import (
     Stream,
     Timer,
 )
-from .emulated_link import CopyEngine, HostBus, Tickets
+from .emulated_executor import DeviceExecutor
+from .emulated_link import CopyEngine, HostBus, Tickets, sleep_until
 from .emulated_memory import ComputeAllocations, DeviceMemory
-from .emulated_stream import RUNNING, EmulatedStream, ModelledTime, WallClockTimer
+from .emulated_stream import RUNNING, EmulatedStream, HostEvent, WallClockTimer
 from .host_blocks import DEFAULT_CACHE_BYTES, HostBlockPool
 
 # The CPU generator is one per process, so is the lock that makes "capture RNG
@@ -69,7 +73,7 @@ class EmulatedOptions:
     backward (kind "backward", all the stage's layers). A compute op then lasts the
     sum of its layers' modelled times, or its real host time if that is longer."""
     jitter_s: float = 0.0
-    """Upper bound of a random delay inserted before every stream op."""
+    """Upper bound of a random delay (modelled time) inserted before every stream op."""
     seed: int = 0
     poison_memory: bool = True
     """Fill every block handed out with NaN (all bits set for integers)."""
@@ -87,11 +91,12 @@ class EmulatedDevice(Device):
         self.index = index
         self.options = options
         self.torch_device = torch.device("cpu")
+        self.executor = DeviceExecutor(self)
         self.streams = {
-            name: EmulatedStream(self, name, options.seed * 1009 + index * 17 + i)
+            name: EmulatedStream(self, name, options.seed * 1009 + index * 17 + i, self.executor)
             for i, name in enumerate(STREAM_NAMES)
         }
-        self.modelled = ModelledTime()
+        self.executor.streams = tuple(self.streams.values())
         self.h2d = CopyEngine(options.h2d_gbps, pool.host_bus)
         self.d2h = CopyEngine(options.d2h_gbps, pool.host_bus)
         for name, engine in (("weight_upload", self.h2d), ("act_upload", self.h2d)):
@@ -122,11 +127,21 @@ class EmulatedDevice(Device):
         return out.copy_(tensor.detach())
 
     def _transfer(self, engine: CopyEngine, nbytes: int) -> None:
-        running = RUNNING.stream
-        if running is not None and running.engine is engine:
-            engine.transfer(nbytes, RUNNING.ticket, held=True)
-        else:  # a copy from a compute op or from outside any op: ready from now on
-            engine.transfer(nbytes, self.pool.tickets.next(), held=False)
+        """Book a copy on ``engine``: inside an op, from where the op has got to in
+        modelled time (the op then lasts until the copy ends); outside any op, from now,
+        sleeping until it ends (the copy is synchronous for the calling thread)."""
+        if not engine.modelled:
+            return
+        op = RUNNING.op
+        if op is None:
+            sleep_until(engine.book(nbytes, self.pool.tickets.next(), time.perf_counter()))
+            return
+        # An op of a stream using this engine copies under its own ticket (the engine
+        # was free for it when it started); any other books behind what the engine does.
+        ticket = op.ticket if RUNNING.stream.engine is engine else self.pool.tickets.next()
+        end = engine.book(nbytes, ticket, op.cursor)
+        RUNNING.charged += end - op.cursor
+        op.cursor = end
 
     def keep_alive(self, tensor: torch.Tensor, stream: Stream) -> None:
         self.memory.keep_alive(tensor, stream)
@@ -147,13 +162,15 @@ class EmulatedDevice(Device):
         return scope
 
     def timer(self) -> Timer:
-        return WallClockTimer(self.modelled)
+        return WallClockTimer()
 
     def model_kernel_time(self, info: OpInfo) -> None:
+        """Charge the kernels' modelled time to the running op: it ends no earlier."""
         if self.options.kernel_time is not None:
             seconds = max(0.0, self.options.kernel_time(info))
-            self.modelled.pending += seconds
-            self.modelled.total += seconds
+            RUNNING.charged += seconds
+            if RUNNING.op is not None:
+                RUNNING.op.cursor += seconds
 
     def memory_capacity(self) -> int | None:
         capacity = self.options.capacity_bytes
@@ -198,7 +215,7 @@ class EmulatedDevicePool(DevicePool):
             mark=_mark_page_locked,
         )
         self.devices = [EmulatedDevice(self, i, self.options) for i in range(num_devices)]
-        self._recording = False
+        self.recording = False  # whether executors record spans (start_recording)
         self._spans: list[SpanRecord] = []
         self._spans_lock = threading.Lock()
 
@@ -213,6 +230,11 @@ class EmulatedDevicePool(DevicePool):
             _mark_page_locked(tensor)
         return tensor
 
+    def host_event(self) -> HostEvent:
+        """An event the host completes with ``set()``: a stream that waits on it is held
+        at that point without blocking its device's other streams."""
+        return HostEvent()
+
     def clear_errors(self) -> None:
         for device in self.devices:
             for stream in device.streams.values():
@@ -221,23 +243,23 @@ class EmulatedDevicePool(DevicePool):
     def start_recording(self) -> None:
         with self._spans_lock:
             self._spans = []
-            self._recording = True
+            self.recording = True
 
     def spans(self) -> list[SpanRecord]:
         with self._spans_lock:
             return list(self._spans)
 
-    def record_span(self, device: int, stream: str, info: OpInfo, start: float) -> None:
-        if self._recording:
-            span = SpanRecord(device, stream, info, start, time.perf_counter())
-            with self._spans_lock:
-                self._spans.append(span)
+    def record_span(self, device: int, stream: str, info: OpInfo, start: float, end: float) -> None:
+        """An op ran on ``stream`` from ``start`` (it was ready) to ``end`` (modelled)."""
+        span = SpanRecord(device, stream, info, start, end)
+        with self._spans_lock:
+            self._spans.append(span)
 
     def close(self) -> None:
+        """Run what was queued, then stop the executor threads."""
         for device in self.devices:
             device.memory.closed = True
-            for stream in device.streams.values():
-                stream.stop()
+            device.executor.stop()
         self.host_blocks.close()
 
 

@@ -1,6 +1,6 @@
 """The emulated backend's transfer model: copy engines and the host memory bus.
 
-What a GPU does, and what this models (DESIGN.md §5):
+What a GPU does, and what this models (DESIGN.md §4):
 
 - Each device has one copy engine per direction (host→device, device→host). An engine
   moves one copy at a time, and among the copies that are *ready* (their stream has
@@ -10,15 +10,19 @@ What a GPU does, and what this models (DESIGN.md §5):
 - All devices' copies go through host DRAM, whose bandwidth is shared: with eight
   GPUs on PCIe the sum of the links exceeds what memory delivers. A copy therefore
   ends no earlier than its link allows and no earlier than the shared host bus
-  (served in the order copies start) allows.
+  (served in the order copies are booked) allows.
 
-Every op gets a *ticket* from the pool when it is issued; a copy inside the op
-carries its op's ticket.
+Time here is *modelled* time on the ``time.perf_counter`` clock: nothing blocks. The
+device's executor (:mod:`.emulated_executor`) starts an op of a copy stream only while
+its engine has no other such op in flight, choosing the lowest ticket among the ready
+ones; each copy the op makes :meth:`CopyEngine.book`\\ s the engine from where the op
+has got to (chained for several copies) and learns when it ends. Every op gets a
+*ticket* from the pool when it is issued; a copy inside an op of a copy stream carries
+its op's ticket, any other copy a fresh one.
 """
 
 from __future__ import annotations
 
-import heapq
 import itertools
 import threading
 import time
@@ -28,12 +32,8 @@ class Tickets:
     """Issue order across a pool: one increasing number per submitted op."""
 
     def __init__(self) -> None:
-        self._counter = itertools.count()
-        self._lock = threading.Lock()
-
-    def next(self) -> int:
-        with self._lock:
-            return next(self._counter)
+        # ``next`` on an itertools counter is one C call, atomic under the GIL: no lock
+        self.next = itertools.count().__next__
 
 
 class HostBus:
@@ -61,20 +61,19 @@ class HostBus:
 class CopyEngine:
     """One direction of one device's link: one copy at a time, earliest-issued ready first.
 
-    A copy is *ready* when its stream has reached it. An op holds its ticket in the
-    ready set from its first copy until it ends (it may copy several tensors), and a
-    stream whose op ends puts the ticket of its next op in the set at once if that op
-    is already issued and nothing stands before it: on a GPU that copy is ready the
-    moment the one before it finished, and wins over any later-issued copy.
+    The ordering between ops is the executor's: it starts an op of a stream using this
+    engine only while ``busy`` is false (it sets it for the op's lifetime) and no
+    earlier than ``free_at``. The engine itself keeps the time its booked copies end.
     """
 
     def __init__(self, gbps: float | None, bus: HostBus) -> None:
         self._seconds_per_byte = 1.0 / (gbps * 1e9) if gbps else 0.0
         self._bus = bus
-        self._cond = threading.Condition()
-        self._busy = False
-        self._ready: list[int] = []  # tickets of ready copies (a heap)
-        self._held: set[int] = set()
+        self._lock = threading.Lock()
+        self.free_at = 0.0
+        """When the last copy booked on the engine ends (perf_counter seconds)."""
+        self.busy = False
+        """An op of a stream using this engine is in flight (set by the executor)."""
         self.served: list[int] = []  # tickets in the order they were served (for tests)
         self.record_order = False
 
@@ -82,61 +81,22 @@ class CopyEngine:
     def modelled(self) -> bool:
         return bool(self._seconds_per_byte) or self._bus.modelled
 
-    def transfer(self, nbytes: int, ticket: int, held: bool) -> None:
-        """Block the calling thread for the copy's modelled duration.
+    def book(self, nbytes: int, ticket: int, not_before: float) -> float:
+        """Book a copy of ``nbytes`` that can start at ``not_before``; when it ends.
 
-        ``held``: ``ticket`` belongs to an op of a stream using this engine, which holds
-        it from the moment the stream reached the op until the op ends. Any other copy
-        (from a compute op, or outside any op) gets a fresh ``ticket`` and is ready
-        only while it waits."""
+        It starts once the engine has finished every copy booked before it and ends no
+        earlier than the link's and the host bus's bandwidth allow."""
         if not self.modelled:
-            return
-        with self._cond:
-            self._hold(ticket)
-            while self._busy or self._ready[0] != ticket:
-                self._cond.wait()
-            self._busy = True
+            return not_before
+        with self._lock:
+            start = max(not_before, self.free_at)
+            end = start + nbytes * self._seconds_per_byte
+            self.free_at = end = max(end, self._bus.reserve(nbytes, start))
             if self.record_order:
                 self.served.append(ticket)
-        try:
-            now = time.perf_counter()
-            end = max(now + nbytes * self._seconds_per_byte, self._bus.reserve(nbytes, now))
-            _sleep_until(end)
-        finally:
-            with self._cond:
-                self._busy = False
-                if not held:
-                    self._drop(ticket)
-                self._cond.notify_all()
-
-    def op_started(self, ticket: int) -> None:
-        """A stream using this engine reached the op of ``ticket``: its copies are ready."""
-        if self.modelled:
-            with self._cond:
-                self._hold(ticket)
-
-    def op_finished(self, ticket: int, next_ticket: int | None) -> None:
-        """The op of ``ticket`` ended; ``next_ticket`` is its stream's next op if ready."""
-        if not self.modelled:
-            return
-        with self._cond:
-            self._drop(ticket)
-            if next_ticket is not None:
-                self._hold(next_ticket)
-            self._cond.notify_all()
-
-    def _hold(self, ticket: int) -> None:
-        if ticket not in self._held:
-            self._held.add(ticket)
-            heapq.heappush(self._ready, ticket)
-
-    def _drop(self, ticket: int) -> None:
-        if ticket in self._held:
-            self._held.discard(ticket)
-            self._ready.remove(ticket)
-            heapq.heapify(self._ready)
+            return end
 
 
-def _sleep_until(deadline: float) -> None:
+def sleep_until(deadline: float) -> None:
     while (left := deadline - time.perf_counter()) > 0:
         time.sleep(left)

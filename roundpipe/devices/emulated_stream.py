@@ -1,14 +1,19 @@
 """The emulated backend's streams and events (DESIGN.md §9).
 
-Each stream is a FIFO of ops run by its own thread (started on first use). Events are
-completed by the recording stream once everything submitted before them has run, and
-awaited by other streams, as on CUDA. Two things keep the per-op cost of the threads
-low without changing what a stream does:
+A stream is a FIFO queue of items, ops and waits on events; the device's executor
+(:mod:`.emulated_executor`) runs the items of all its streams, one op in flight per
+stream. Events are completed once everything submitted before them has run, and
+awaited by other streams or devices, as on CUDA:
 
-- an event is not a queue item: it is attached to the last op queued (or running) and
-  completed right after that op, or completed at once on an idle stream;
+- an event is not a queue item: it is attached to the last item queued (or the op in
+  flight) and completed with it, or completed at once on an idle stream;
 - a wait on an event that has already completed without error orders nothing (as
-  ``cudaStreamWaitEvent`` on a completed event) and is not queued.
+  ``cudaStreamWaitEvent`` on a completed event) and is not queued;
+- an event carries the modelled time its work ended, so a stream waiting on it starts
+  no earlier, and a host thread blocks on it only through a lazily made waiter.
+
+Errors are sticky per stream (:mod:`.base`): an op that raises sets the stream's
+``error``, later ops are skipped and events complete with it.
 """
 
 from __future__ import annotations
@@ -16,215 +21,188 @@ from __future__ import annotations
 import collections
 import random
 import threading
-import time
 from collections.abc import Callable
+from time import perf_counter as _now
 from typing import TYPE_CHECKING
 
 from .base import Event, OpInfo, Stream, Timer
 
 if TYPE_CHECKING:
     from .emulated import EmulatedDevice
+    from .emulated_executor import DeviceExecutor
+    from .emulated_link import CopyEngine
 
 
 class _RunningOp(threading.local):
-    """Per stream thread: the stream it runs and the ticket of the op running now."""
+    """Per thread: the op an executor runs now (``None`` outside ops) and the modelled
+    seconds charged on this thread so far (what :class:`WallClockTimer` adds)."""
 
     stream: EmulatedStream | None = None
-    ticket: int = -1
+    op: QueuedOp | None = None
+    charged: float = 0.0
 
 
 RUNNING = _RunningOp()
 
 
-class ModelledTime(threading.local):
-    """Per stream thread: modelled kernel seconds owed (slept after the op) and in total."""
-
-    pending = 0.0
-    total = 0.0
-
-
 class WallClockTimer(Timer):
-    """Wall time of the real work plus the modelled kernel time charged in between."""
+    """Real time of the work plus the modelled time (kernels, copies) charged in between."""
 
-    def __init__(self, modelled: ModelledTime) -> None:
-        self._modelled = modelled
+    def __init__(self) -> None:
         self._start = self._stop = 0.0
 
     def start(self) -> None:
-        self._start = time.perf_counter() + self._modelled.total
+        self._start = _now() + RUNNING.charged
 
     def stop(self) -> None:
-        self._stop = time.perf_counter() + self._modelled.total
+        self._stop = _now() + RUNNING.charged
 
     def seconds(self) -> float:
         return self._stop - self._start
 
 
+# Guards the hand-over between completing an event and registering a waiter on it.
+_EVENT_LOCK = threading.Lock()
+
+
 class EmulatedEvent(Event):
+    """Completed once (with the error of its stream, if any, and the modelled time its
+    work ended). Executors register callbacks to be woken; a host thread that blocks
+    on it makes the one ``threading.Event`` it sleeps on."""
+
+    __slots__ = ("_host", "_waiters", "done", "error", "time")
+
     def __init__(self) -> None:
-        self._done = threading.Event()
+        self.done = False
         self.error: BaseException | None = None
+        self.time = 0.0
+        self._waiters: list[Callable[[], None]] | None = None
+        self._host: threading.Event | None = None
 
-    def _complete(self, error: BaseException | None) -> None:
-        self.error = error
-        self._done.set()
+    def complete(self, error: BaseException | None, time: float) -> None:
+        """Mark it done; run the registered callbacks and wake blocked host threads."""
+        self.error, self.time = error, time
+        with _EVENT_LOCK:
+            self.done = True
+            waiters, self._waiters = self._waiters, None
+            host = self._host
+        if waiters is not None:
+            for waiter in waiters:
+                waiter()
+        if host is not None:
+            host.set()
 
-    def wait_done(self) -> None:
-        self._done.wait()
+    def add_waiter(self, callback: Callable[[], None]) -> bool:
+        """Call ``callback`` once the event completes; False (not registered) if it has."""
+        with _EVENT_LOCK:
+            if self.done:
+                return False
+            if self._waiters is None:
+                self._waiters = [callback]
+            else:
+                self._waiters.append(callback)
+            return True
 
     def synchronize(self) -> None:
-        self._done.wait()
+        self.wait(None)
         if self.error is not None:
             raise self.error
 
     def query(self) -> bool:
-        return self._done.is_set()
+        return self.done
 
     def wait(self, timeout: float | None) -> bool:
-        return self._done.wait(timeout)
+        if self.done:
+            return True
+        with _EVENT_LOCK:
+            if self.done:
+                return True
+            if self._host is None:
+                self._host = threading.Event()
+            host = self._host
+        return host.wait(timeout)
 
 
-_STOP = object()
-RUN, WAIT = 0, 1
-# A queued item is a list [kind, payload, (info, ticket) or None, events to complete
-# after it or None]: a list, so that an event recorded later can be attached to it.
+class HostEvent(EmulatedEvent):
+    """An event the host completes with :meth:`set`: a stream waiting on it is held
+    without blocking its device (tests use it to hold a stream at a chosen point)."""
+
+    __slots__ = ()
+
+    def set(self, error: BaseException | None = None) -> None:
+        if not self.done:
+            self.complete(error, _now())
+
+
+class QueuedOp:
+    """A submitted op: its closure, and its modelled times once the executor reached it."""
+
+    __slots__ = ("cursor", "end", "events", "fn", "info", "issued", "ready", "start", "ticket")
+
+    def __init__(self, fn: Callable[[], None], info: OpInfo, ticket: int, issued: float) -> None:
+        self.fn: Callable[[], None] | None = fn
+        self.info = info
+        self.ticket = ticket
+        self.issued = issued
+        self.events: list[EmulatedEvent] | None = None  # to complete when it ends
+        self.ready = -1.0  # when it reached its stream's head, waits satisfied (-1: not yet)
+        self.start = 0.0  # its modelled start: ready + jitter, the engine free for a copy
+        self.cursor = 0.0  # while it runs: start + the modelled time charged so far
+        self.end = 0.0  # modelled end: max(real end, cursor)
+
+
+class QueuedWait:
+    """A queued wait on an event of another stream, device or the host."""
+
+    __slots__ = ("event", "events")
+
+    def __init__(self, event: EmulatedEvent) -> None:
+        self.event = event
+        self.events: list[EmulatedEvent] | None = None  # to complete when it is satisfied
 
 
 class EmulatedStream(Stream):
-    def __init__(self, device: EmulatedDevice, name: str, seed: int) -> None:
+    """A FIFO of :class:`QueuedOp` and :class:`QueuedWait`; the executor's lock guards
+    ``queue``, ``inflight`` and ``floor``."""
+
+    def __init__(
+        self, device: EmulatedDevice, name: str, seed: int, executor: DeviceExecutor
+    ) -> None:
         self.device = device
         self.name = name
         self.error: BaseException | None = None
-        self.engine = None  # the copy engine (emulated_link.CopyEngine) its ops use, if any
-        self._items: collections.deque = collections.deque()
-        # reentrant: a tensor freed while the lock is held may record an event here
-        self._cond = threading.Condition(threading.RLock())
-        self._thread: threading.Thread | None = None
-        self._current: list | None = None  # the item the thread is handling
-        self._start_lock = threading.Lock()
-        self._rng = random.Random(seed)
+        self.engine: CopyEngine | None = None  # the copy engine its ops use, if any
+        self.queue: collections.deque[QueuedOp | QueuedWait] = collections.deque()
+        self.inflight: QueuedOp | None = None
+        self.floor = 0.0  # modelled time before which its next item cannot start
+        self.waiting_on: EmulatedEvent | None = None  # the event its head wait watches
+        self.rng = random.Random(seed)
+        self._executor = executor
+        self._tickets = device.pool.tickets
 
-    def _ensure_thread(self) -> None:
-        if self._thread is None:
-            with self._start_lock:
-                if self._thread is None:
-                    self._thread = threading.Thread(
-                        target=self._run,
-                        name=f"roundpipe-emu{self.device.index}-{self.name}",
-                        daemon=True,
-                    )
-                    self._thread.start()
-
-    def _put(self, item) -> None:
-        self._ensure_thread()
-        with self._cond:
-            if self.engine is not None and item is not _STOP and item[0] == RUN and self._idle():
-                # nothing stands before it: its copies are ready now, as on a GPU
-                self.engine.op_started(item[2][1])
-            self._items.append(item)
-            self._cond.notify()
-
-    def _idle(self) -> bool:
-        """Under the lock: no item queued and none being run."""
-        return not self._items and self._current is None
-
-    def _take(self):
-        with self._cond:
-            while not self._items:
-                self._cond.wait()
-            self._current = self._items.popleft()
-            return self._current
-
-    def _next_ready_ticket(self) -> int | None:
-        """The ticket of the next op if nothing unfinished stands before it."""
-        with self._cond:
-            for item in self._items:
-                if item is _STOP:
-                    return None
-                if item[0] == RUN:
-                    return item[2][1]
-                if not item[1].query():
-                    return None
-        return None
+    def __repr__(self) -> str:
+        return f"emulated:{self.device.index}/{self.name}"
 
     def submit(self, fn: Callable[[], None], info: OpInfo) -> None:
-        self._put([RUN, fn, (info, self.device.pool.tickets.next()), None])
+        self._executor.put(self, QueuedOp(fn, info, self._tickets.next(), _now()))
         if info.pageable:  # as CUDA does: the host waits until the copy has been staged
             self.record().wait(None)
 
     def record(self) -> Event:
         event = EmulatedEvent()
-        with self._cond:
-            last = self._items[-1] if self._items else self._current
-            if last is None or last is _STOP:
-                if last is None:  # idle: everything submitted has run
-                    event._complete(self.error)
-                return event
-            if last[3] is None:
-                last[3] = [event]
+        with self._executor.lock:
+            last = self.queue[-1] if self.queue else self.inflight
+            if last is None:  # idle: everything submitted has run
+                event.done, event.error, event.time = True, self.error, self.floor
+            elif last.events is None:
+                last.events = [event]
             else:
-                last[3].append(event)
+                last.events.append(event)
         return event
 
     def wait(self, event: Event) -> None:
         if not isinstance(event, EmulatedEvent):
             raise TypeError(f"an emulated stream cannot wait on {type(event).__name__}")
-        if event.query() and event.error is None:
+        if event.done and event.error is None:
             return  # it has completed: there is nothing to order
-        self._put([WAIT, event, None, None])
-
-    def stop(self) -> None:
-        if self._thread is not None:
-            self._put(_STOP)
-            self._thread.join()
-            self._thread = None
-
-    def _run(self) -> None:
-        RUNNING.stream = self
-        while True:
-            item = self._take()
-            if item is _STOP:
-                return
-            kind, payload, issued, _ = item
-            if kind == WAIT:
-                payload.wait_done()
-                if payload.error is not None and self.error is None:
-                    self.error = payload.error
-            else:
-                if self.engine is not None:
-                    self.engine.op_started(issued[1])
-                if self.error is None:
-                    self._run_op(payload, issued[0], issued[1])
-                if self.engine is not None:
-                    self.engine.op_finished(issued[1], self._next_ready_ticket())
-            # What the op referenced (its device tensors) dies now, not when the next
-            # op arrives: an op that ran holds nothing on a GPU either.
-            payload = item[1] = None
-            with self._cond:
-                events, self._current = item[3], None
-            if events is not None:
-                for event in events:
-                    event._complete(self.error)
-            item = events = None
-
-    def _run_op(self, fn: Callable[[], None], info: OpInfo, ticket: int) -> None:
-        RUNNING.ticket = ticket
-        options = self.device.options
-        if options.jitter_s:
-            time.sleep(self._rng.uniform(0.0, options.jitter_s))
-        start = time.perf_counter()
-        try:
-            fn()
-        except BaseException as exc:  # noqa: BLE001 - sticky, reported through events
-            self.error = exc
-        finally:
-            RUNNING.ticket = -1
-        # The op lasts as long as its modelled kernels, slept here after it released any
-        # lock it held. The host work of running it counts towards that time, as a GPU
-        # kernel runs while the host launches the next: only what is left is slept.
-        modelled = self.device.modelled
-        owed, modelled.pending = modelled.pending, 0.0
-        left = owed - (time.perf_counter() - start)
-        if left > 0:
-            time.sleep(left)
-        self.device.pool.record_span(self.device.index, self.name, info, start)
+        self._executor.put(self, QueuedWait(event))
