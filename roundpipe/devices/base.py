@@ -4,7 +4,7 @@ Everything the runtime does on a device is a *stream op*: a closure submitted to
 one of the device's streams, run in that stream's order. On CUDA the closure runs
 at once on the calling thread inside ``torch.cuda.stream(...)``, so the kernels it
 launches are queued on the real stream. On the emulated backend the closure is
-queued and run later by the stream's own thread. Runtime code therefore never
+queued and run later by the device's executor thread. Runtime code therefore never
 reads a device result on the host thread; it hands results along through
 :class:`Slot` objects filled inside stream ops and orders them with events, the
 same way CUDA code must.
@@ -101,7 +101,7 @@ class Event(abc.ABC):
         ran, so the host objects it makes exist, e.g. the host tensor a download fills,
         though the device may still be copying into it); raise the error of a failed op.
         On CUDA closures run when submitted, so this returns at once; the emulator runs
-        them on stream threads, so it waits for the event."""
+        them on the device's executor thread, so it waits for the event."""
         self.synchronize()
 
     def wait(self, timeout: float | None) -> bool:
@@ -203,8 +203,9 @@ class Device(abc.ABC):
         """A timer for work issued on the current stream."""
 
     def model_kernel_time(self, info: OpInfo) -> None:  # noqa: B027 - optional hook
-        """Called after the kernels of ``info`` were issued; the emulated backend may
-        sleep here to model their run time. Real devices do nothing."""
+        """Called after the kernels of ``info`` were issued; the emulated backend charges
+        their modelled run time to the running op (it ends no earlier). Real devices do
+        nothing."""
 
     def memory_capacity(self) -> int | None:
         """Usable device memory in bytes, or None if unlimited."""
