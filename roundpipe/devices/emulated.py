@@ -124,7 +124,7 @@ class EmulatedDevice(Device):
         # and the op holds it until then, so no use needs recording.
         out = self.pool.host_blocks.empty(tensor.shape, tensor.dtype)
         self._transfer(self.d2h, tensor.numel() * tensor.element_size())
-        return out.copy_(tensor.detach())
+        return out.copy_(tensor.detach() if tensor.requires_grad else tensor)
 
     def _transfer(self, engine: CopyEngine, nbytes: int) -> None:
         """Book a copy on ``engine``: inside an op, from where the op has got to in

@@ -79,21 +79,26 @@ def upload_stage_weights(
     for tensor in [*params.values(), *on_device.values()]:
         device.keep_alive(tensor, device.compute)
 
-    pieces = plan_chunks(
-        [t.numel() for t in sources], [t.element_size() for t in sources], call.chunk_bytes
-    )
+    numels = [t.numel() for t in sources]
+    pieces = plan_chunks(numels, [t.element_size() for t in sources], call.chunk_bytes)
     writes_back = job.kind is not JobKind.BACKWARD and any(
         i in worker.buffer_gates for i in job.layers
     )
     program = job_program(job, call.shape, len(pieces), bool(buffers), writes_back)
 
     def upload_chunk(chunk, timings: list[TransferTiming]) -> None:
-        # Each copy is timed alone: host work between copies is not link time.
-        with failure_site(where):
+        # Each copy is timed alone: host work between copies is not link time. Few torch
+        # calls per tensor: each lets other host threads take the interpreter.
+        with failure_site(where), torch.no_grad():
             for (index, first, end), timing in zip(chunk, timings, strict=True):
-                flat = params[uids[index]].detach().view(-1)
-                with timing.measure():
-                    device.copy_in(flat[first:end], sources[index].reshape(-1)[first:end], stream)
+                dst, src = params[uids[index]], sources[index]
+                if first or end != numels[index]:  # a tensor cut across chunks
+                    dst, src = dst.view(-1)[first:end], src.reshape(-1)[first:end]
+                if timing.timed:
+                    with timing.measure():
+                        device.copy_in(dst, src, stream)
+                else:
+                    device.copy_in(dst, src, stream)
 
     def upload_buffers() -> None:
         with failure_site(f"{name}: buffer upload on device {device!r}"), torch.no_grad():

@@ -52,9 +52,14 @@ class TransferTiming:
         self._device = device
         self._timer = None
 
+    @property
+    def timed(self) -> bool:
+        """Whether :meth:`measure` times the copy (small ones are not: two events saved)."""
+        return self.nbytes >= MIN_TIMED_BYTES
+
     @contextlib.contextmanager
     def measure(self) -> Iterator[None]:
-        if self.nbytes < MIN_TIMED_BYTES:  # not timed: saves two events per small copy
+        if not self.timed:
             yield
             return
         self._timer = self._device.timer()

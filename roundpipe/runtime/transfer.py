@@ -177,7 +177,8 @@ class Upload:
 def download_tree(device: Device, stream: Stream, tree: Any) -> Any:
     def move(tensor: torch.Tensor) -> torch.Tensor:
         device.keep_alive(tensor, stream)
-        return device.to_host(tensor.detach(), stream)
+        # (a torch call lets other host threads take the interpreter: only when needed)
+        return device.to_host(tensor.detach() if tensor.requires_grad else tensor, stream)
 
     return _map_unique(tree, move)
 
