@@ -180,6 +180,13 @@ class Device(abc.ABC):
     def copy_in(self, dst: torch.Tensor, src: torch.Tensor, stream: Stream) -> None:
         """Inside an op of ``stream``: asynchronously copy host ``src`` into device ``dst``."""
 
+    def copy_in_all(
+        self, dsts: list[torch.Tensor], srcs: list[torch.Tensor], stream: Stream
+    ) -> None:
+        """Inside an op of ``stream``: :meth:`copy_in` of each pair, as one transfer."""
+        for dst, src in zip(dsts, srcs, strict=True):
+            self.copy_in(dst, src, stream)
+
     def to_device(self, host: torch.Tensor, stream: Stream) -> torch.Tensor:
         """Inside an op of ``stream``: an asynchronous host→device copy of ``host``."""
         tensor = self.empty_like(host)

@@ -119,6 +119,14 @@ class EmulatedDevice(Device):
         self._transfer(self.h2d, src.numel() * src.element_size())
         dst.copy_(src)
 
+    def copy_in_all(
+        self, dsts: list[torch.Tensor], srcs: list[torch.Tensor], stream: Stream
+    ) -> None:
+        # One torch call for all: each call lets other host threads take the interpreter,
+        # and the executor is the device's critical path.
+        self._transfer(self.h2d, sum(src.numel() * src.element_size() for src in srcs))
+        torch._foreach_copy_(dsts, srcs)
+
     def to_host(self, tensor: torch.Tensor, stream: Stream) -> torch.Tensor:
         # A block of the pool (marked page-locked). Its copy is done when the op ends
         # and the op holds it until then, so no use needs recording.

@@ -86,19 +86,18 @@ def upload_stage_weights(
     )
     program = job_program(job, call.shape, len(pieces), bool(buffers), writes_back)
 
-    def upload_chunk(chunk, timings: list[TransferTiming]) -> None:
-        # Each copy is timed alone: host work between copies is not link time. Few torch
-        # calls per tensor: each lets other host threads take the interpreter.
+    def upload_chunk(chunk, timing: TransferTiming) -> None:
+        # The chunk's tensors are copied as one transfer, timed as one.
         with failure_site(where), torch.no_grad():
-            for (index, first, end), timing in zip(chunk, timings, strict=True):
+            dsts, srcs = [], []
+            for index, first, end in chunk:
                 dst, src = params[uids[index]], sources[index]
                 if first or end != numels[index]:  # a tensor cut across chunks
                     dst, src = dst.view(-1)[first:end], src.reshape(-1)[first:end]
-                if timing.timed:
-                    with timing.measure():
-                        device.copy_in(dst, src, stream)
-                else:
-                    device.copy_in(dst, src, stream)
+                dsts.append(dst)
+                srcs.append(src)
+            with timing.measure():
+                device.copy_in_all(dsts, srcs, stream)
 
     def upload_buffers() -> None:
         with failure_site(f"{name}: buffer upload on device {device!r}"), torch.no_grad():
@@ -122,10 +121,9 @@ def upload_stage_weights(
         info = OpInfo(
             "upload", f"weights {name}", nbytes, job=job.index, op=op.index, pageable=pageable
         )
-        timings = [TransferTiming(device, "h2d") for _ in chunk]
-        for timing, (i, first, end) in zip(timings, chunk, strict=True):
-            timing.nbytes = (end - first) * sources[i].element_size()
-        transfers += timings
-        stream.submit(functools.partial(upload_chunk, chunk, timings), info)
+        timing = TransferTiming(device, "h2d")
+        timing.nbytes = nbytes
+        transfers.append(timing)
+        stream.submit(functools.partial(upload_chunk, chunk, timing), info)
         copied = stream.record()
     return program, StageWeights(Slot((params, on_device)), stream.record(), transfers)
