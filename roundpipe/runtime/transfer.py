@@ -31,6 +31,11 @@ def _plain_tensors(tree: Any, leaf: type | tuple[type, ...] = torch.Tensor) -> b
     )
 
 
+def _tensor_list(tree: Any, leaf: type | tuple[type, ...] = torch.Tensor) -> bool:
+    """``tree`` is a list of tensors and Nones, what input gradients are."""
+    return type(tree) is list and all(t is None or isinstance(t, leaf) for t in tree)
+
+
 def _map_unique(tree: Any, fn, leaf: type | tuple[type, ...] = torch.Tensor) -> Any:
     if _plain_tensors(tree, leaf):  # fast path, same result as below
         moved: dict[int, Any] = {}
@@ -38,6 +43,12 @@ def _map_unique(tree: Any, fn, leaf: type | tuple[type, ...] = torch.Tensor) -> 
             if id(t) not in moved:
                 moved[id(t)] = fn(t)
         return tuple(moved[id(t)] for t in tree[0]), {}
+    if _tensor_list(tree, leaf):  # fast path, same result as below
+        moved = {}
+        for t in tree:
+            if t is not None and id(t) not in moved:
+                moved[id(t)] = fn(t)
+        return [None if t is None else moved[id(t)] for t in tree]
     leaves, spec = tree_flatten(tree)
     moved = {}
     out = []
@@ -194,7 +205,12 @@ def inplace_safe(tree: Any, clone_all: bool = False) -> Any:
 
 
 def _unique_tensors(tree: Any) -> list[torch.Tensor]:
-    leaves = list(tree[0]) if _plain_tensors(tree) else tree_flatten(tree)[0]
+    if _plain_tensors(tree):
+        leaves = list(tree[0])
+    elif _tensor_list(tree):
+        leaves = tree
+    else:
+        leaves = tree_flatten(tree)[0]
     seen: dict[int, torch.Tensor] = {}
     for leaf in leaves:
         if isinstance(leaf, torch.Tensor):
