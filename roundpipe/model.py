@@ -10,7 +10,6 @@ time; a second thread driving it at once gets a clear error.
 
 from __future__ import annotations
 
-import functools
 import time
 import weakref
 from collections.abc import Callable
@@ -23,29 +22,29 @@ from . import cluster
 from .checkpoint import Checkpoints
 from .cluster import CommOptions
 from .config import RoundPipeRunConfig, checked_run_config
-from .devices import DevicePool, EmulatedOptions, Slot, make_pool
+from .devices import DevicePool, EmulatedOptions, make_pool
 from .hf.entry import FromHuggingFace
-from .keys import Activation, InputGrad, Loss, Output
+from .keys import Loss, Output
 from .microbatch import merge_outputs
+from .module_call import ModuleCall
 from .param_views import ParameterViews
 from .plan import Plan
 from .runtime import optimizer_guard
 from .runtime.call import AutocastState, Call
-from .runtime.deferred import attach_backward, check_backward_allowed
 from .runtime.inputs import own_and_split
 from .runtime.layers import sequential_layers
 from .runtime.lifetime import finalize_unclosed
 from .runtime.planner import AutoPlanner
 from .runtime.profiler import LayerProfiler
 from .runtime.session import Session
-from .runtime.sync import Handoff, wait_future
-from .schedule import Schedule, lower, lower_unfused
+from .runtime.sync import wait_future
+from .schedule import Schedule, lower
 from .timeline import HOST, Span, Timeline
 
 PIN_MODES = ("auto", "alloc", "register", "off")
 
 
-class RoundPipe(Checkpoints, FromHuggingFace, ParameterViews, nn.Module):
+class RoundPipe(ModuleCall, Checkpoints, FromHuggingFace, ParameterViews, nn.Module):
     """Train ``model`` (each entry of an ``nn.Sequential`` is one layer) on a device pool.
 
     >>> model = RoundPipe(nn.Sequential(...), devices="emulated:4")
@@ -250,63 +249,6 @@ class RoundPipe(Checkpoints, FromHuggingFace, ParameterViews, nn.Module):
             for what, start, end in list(self._node.comm.spans or ()):
                 timeline.add(Span(HOST, "network", "comm", what, start - origin, end - origin))
         return timeline
-
-    # -- inference / plain forward -------------------------------------------------------
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        """Run the model on the pool, pipelined.
-
-        Under ``torch.no_grad()`` (or with no trainable parameter) this is inference.
-        With autograd enabled the output can be back-propagated later: ``.backward()``
-        on (a function of) it runs the backward stages, recomputing from saved stage
-        inputs, and accumulates the parameter gradients like ``forward_backward``.
-        Prefer ``forward_backward``: it fuses the last stage and overlaps calls.
-        """
-        return self._forward(args, kwargs, self.run_config)
-
-    def _forward(self, args: tuple, kwargs: dict, config: RoundPipeRunConfig) -> Any:
-        training = torch.is_grad_enabled() and any(p.requires_grad for p in self.model.parameters())
-        if training and config.merge_output is not None:
-            raise NotImplementedError(
-                "model(...) with autograd enabled needs the default output merging; "
-                "use forward_backward(...) with a custom merge_output"
-            )
-        with self._session.enter("forward") as session:
-            self._begin(session)
-            num = self._microbatch_count(config)
-            inputs, _, owned = self._own_inputs(config, args, kwargs, None, num)
-            schedule = lower_unfused(
-                self._plan_for(config), len(self.pool), self._cursor, with_backward=training
-            )
-            # A training call's inputs are re-read by its later backward: not recycled.
-            call = self._start_call(
-                session, schedule, inputs, None, config, None, False, [] if training else owned
-            )
-            try:
-                outputs = [call.read(Activation(self.num_layers, m))[0][0] for m in range(num)]
-            except Exception as exc:
-                session.fail(call.latch.wait() or exc)
-            call.returned = True
-        merged = (config.merge_output or merge_outputs)(outputs)
-        if not training:
-            return merged
-        return attach_backward(merged, outputs, functools.partial(self._backward_call, call))
-
-    def _backward_call(self, call: Call, grads_per_microbatch: list[list]) -> None:
-        """Post the output gradients, run the call's backward jobs and wait for them."""
-        with self._session.enter("backward") as session:
-            check_backward_allowed(call, session)
-            self._begin(session)
-            call.loss_scale = self._loss_scale()  # the user scaled the loss just before
-            call.returned = False
-            call.backward_done = True
-            for m, grads in enumerate(grads_per_microbatch):
-                call.mailbox.post(InputGrad(self.num_layers, m), Handoff(Slot(grads), None))
-            session.issue_more(call, call.schedule.backward_jobs)
-            error = call.latch.wait()
-            if error is not None:
-                session.fail(error)
-            call.returned = True
 
     # -- parameters ----------------------------------------------------------------------
 
