@@ -339,8 +339,9 @@ def test_model_trains_like_pytorch_after_oom_with_a_smaller_batch(
 def fail_transfer(monkeypatch, device, method: str, stream: str, at: int) -> None:
     """Make ``device.<method>`` raise on its ``at``-th call (0-based) from ``stream``.
 
-    ``copy_in`` is every host-to-device copy, ``to_host`` every device-to-host copy;
-    both take the stream they run on as their last argument.
+    ``copy_in`` is every host-to-device copy but weight chunks (``copy_in_all``, one
+    call per chunk), ``to_host`` every device-to-host copy; all take the stream they
+    run on as their last argument.
     """
     original = getattr(device, method)
     calls = []
@@ -372,12 +373,12 @@ def test_failed_activation_upload_names_stage_and_microbatch(faulty, error_of, m
 
 def test_failed_weight_upload_names_stage_and_device(faulty, error_of, monkeypatch):
     model, _, _ = faulty(IN_FUSED_STAGE)
-    fail_transfer(monkeypatch, model.pool.devices[1], "copy_in", "weight_upload", at=0)
+    fail_transfer(monkeypatch, model.pool.devices[1], "copy_in_all", "weight_upload", at=0)
     error = error_of(train_call, model)
     assert_reports(
         error,
         OSError,
-        "injected fault in copy_in",
+        "injected fault in copy_in_all",
         r"forward stage 1\b",
         "weight upload",
         "emulated:1",
