@@ -6,9 +6,9 @@ from __future__ import annotations
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import tree_flatten
 
-from roundpipe.runtime.transfer import _map_unique, _unique_tensors, tree_bytes
+from roundpipe.runtime.transfer import _map_general, _map_unique, _unique_tensors, tree_bytes
 
 POOL = [torch.full((n + 1,), float(n)) for n in range(4)]
 
@@ -16,21 +16,6 @@ POOL = [torch.full((n + 1,), float(n)) for n in range(4)]
 def successor(t: torch.Tensor) -> torch.Tensor:
     """The next tensor of the pool (by identity)."""
     return POOL[(next(i for i, p in enumerate(POOL) if p is t) + 1) % len(POOL)]
-
-
-def general_map(tree, fn):
-    """The general path of ``_map_unique``, written out."""
-    leaves, spec = tree_flatten(tree)
-    moved: dict[int, object] = {}
-    out = []
-    for item in leaves:
-        if isinstance(item, torch.Tensor):
-            if id(item) not in moved:
-                moved[id(item)] = fn(item)
-            out.append(moved[id(item)])
-        else:
-            out.append(item)
-    return tree_unflatten(out, spec)
 
 
 leaf = st.one_of(st.none(), st.sampled_from(range(len(POOL))).map(POOL.__getitem__))
@@ -63,7 +48,7 @@ def test_the_fast_paths_equal_the_general_path(tree):
         calls.append(id(t))
         return successor(t)
 
-    expected = general_map(tree, successor)
+    expected = _map_general(tree, successor)
     assert same(_map_unique(tree, fn), expected)
     assert len(calls) == len(set(calls))  # an aliased tensor is moved once
     unique = list({id(t): t for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor)}.values())

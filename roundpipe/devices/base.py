@@ -37,6 +37,12 @@ MAPPED_FILE_ATTR = "roundpipe_mapped_file"
 the path): such memory is never page-locked (it would lock the whole file in RAM)."""
 
 
+def without_grad(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` detached if it requires grad (only then: every torch call lets another
+    host thread take the interpreter)."""
+    return tensor.detach() if tensor.requires_grad else tensor
+
+
 @dataclass(frozen=True)
 class OpInfo:
     """What a stream op is, for timing models, timelines and error messages."""
@@ -195,7 +201,8 @@ class Device(abc.ABC):
 
     @abc.abstractmethod
     def to_host(self, tensor: torch.Tensor, stream: Stream) -> torch.Tensor:
-        """Inside an op of ``stream``: an asynchronous device→host copy (pinned if possible)."""
+        """Inside an op of ``stream``: an asynchronous device→host copy (pinned if possible),
+        a plain host tensor (no autograd history, whatever ``tensor`` requires)."""
 
     @abc.abstractmethod
     def keep_alive(self, tensor: torch.Tensor, stream: Stream) -> None:

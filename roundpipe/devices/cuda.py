@@ -41,6 +41,7 @@ from .base import (
     SpanRecord,
     Stream,
     Timer,
+    without_grad,
 )
 from .host_blocks import DEFAULT_CACHE_BYTES, PAGE, HostBlockPool
 
@@ -145,7 +146,7 @@ class CudaDevice(Device):
 
     def to_host(self, tensor: torch.Tensor, stream: Stream) -> torch.Tensor:
         out = self.pool.host_blocks.empty(tensor.shape, tensor.dtype)
-        out.copy_(tensor, non_blocking=True)
+        out.copy_(without_grad(tensor), non_blocking=True)
         self.pool.host_blocks.record_use(out, stream)
         return out
 

@@ -42,6 +42,7 @@ from .base import (
     SpanRecord,
     Stream,
     Timer,
+    without_grad,
 )
 from .emulated_executor import DeviceExecutor
 from .emulated_link import CopyEngine, HostBus, Tickets, sleep_until
@@ -132,7 +133,7 @@ class EmulatedDevice(Device):
         # and the op holds it until then, so no use needs recording.
         out = self.pool.host_blocks.empty(tensor.shape, tensor.dtype)
         self._transfer(self.d2h, tensor.numel() * tensor.element_size())
-        return out.copy_(tensor.detach() if tensor.requires_grad else tensor)
+        return out.copy_(without_grad(tensor))
 
     def _transfer(self, engine: CopyEngine, nbytes: int) -> None:
         """Book a copy on ``engine``: inside an op, from where the op has got to in

@@ -256,8 +256,6 @@ class JobIssuer:
     def timed_download(self, timing: TransferTiming, stream: Stream, tree: Any) -> Any:
         """Inside a download op: ``download_tree``, timed."""
         timing.nbytes = tree_bytes(tree)
-        if not timing.timed:
-            return download_tree(self.device, stream, tree)
         with timing.measure():
             return download_tree(self.device, stream, tree)
 

@@ -37,20 +37,25 @@ def _tensor_list(tree: Any, leaf: type | tuple[type, ...] = torch.Tensor) -> boo
 
 
 def _map_unique(tree: Any, fn, leaf: type | tuple[type, ...] = torch.Tensor) -> Any:
-    if _plain_tensors(tree, leaf):  # fast path, same result as below
+    if _plain_tensors(tree, leaf):  # fast path, same result as _map_general
         moved: dict[int, Any] = {}
         for t in tree[0]:
             if id(t) not in moved:
                 moved[id(t)] = fn(t)
         return tuple(moved[id(t)] for t in tree[0]), {}
-    if _tensor_list(tree, leaf):  # fast path, same result as below
+    if _tensor_list(tree, leaf):  # fast path, same result as _map_general
         moved = {}
         for t in tree:
             if t is not None and id(t) not in moved:
                 moved[id(t)] = fn(t)
         return [None if t is None else moved[id(t)] for t in tree]
+    return _map_general(tree, fn, leaf)
+
+
+def _map_general(tree: Any, fn, leaf: type | tuple[type, ...] = torch.Tensor) -> Any:
+    """``fn`` applied once to each distinct ``leaf`` of any pytree, other leaves kept."""
     leaves, spec = tree_flatten(tree)
-    moved = {}
+    moved: dict[int, Any] = {}
     out = []
     for item in leaves:
         if isinstance(item, leaf):
@@ -188,8 +193,7 @@ class Upload:
 def download_tree(device: Device, stream: Stream, tree: Any) -> Any:
     def move(tensor: torch.Tensor) -> torch.Tensor:
         device.keep_alive(tensor, stream)
-        # (a torch call lets other host threads take the interpreter: only when needed)
-        return device.to_host(tensor.detach() if tensor.requires_grad else tensor, stream)
+        return device.to_host(tensor, stream)
 
     return _map_unique(tree, move)
 
