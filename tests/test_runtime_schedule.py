@@ -57,7 +57,9 @@ def test_automatic_plan_follows_measured_layer_times_and_settles():
             pipe.synchronize()
             plans.append(pipe.plan)
         forward = pipe.profiler.costs().forward
-    assert forward[5] > 2.5 * max(forward[:5])  # the profiler saw the heavy layer
+    # The profiler saw the heavy layer. Against the median of the others: one host pause
+    # (a collector run in a long suite) inside one layer's timing must not fail the test.
+    assert forward[5] > 2.5 * sorted(forward[:5])[2]
     assert plans[-1].fused_layers == 1  # the heavy head is fused alone
     assert len(set(plans[-4:])) == 1  # it settled: no re-plan on every call
     assert pipe.planner.replans <= 4
