@@ -44,7 +44,8 @@ FUSED = "fused"
 RECOMPUTE = "recompute"
 BACKWARD = "backward"
 DOWNLOAD_VALUE = "download"
-"""A value of the op in ``inputs``, handed to other jobs under ``key``."""
+"""Values of the op in ``inputs``, copied in one op and each handed to other jobs under
+its key in ``keys``."""
 TAKE_BUFFERS = "take_buffers"
 WRITE_BACK = "write_back"
 TAKE_GRADS = "take_grads"
@@ -63,8 +64,9 @@ class DeviceOp:
     microbatch: int | None = None
     layers: range = range(0)
     key: HandoffKey | None = None
-    """Uploads: the handoff read. Recompute: the RNG state read. Downloads: the
-    handoff produced."""
+    """Uploads: the handoff read. Recompute: the RNG state read."""
+    keys: tuple[HandoffKey, ...] = ()
+    """Downloads: the handoffs produced, in copy order."""
     posts: tuple[HandoffKey, ...] = ()
     """Handoffs a compute op hands over itself, ordered by its own event (RNG states;
     the output slot of a fused stage that returns no outputs)."""
@@ -84,6 +86,8 @@ class DeviceOp:
             parts.append(f"L{self.layers.start}-{self.layers.stop - 1}")
         if self.key is not None:
             parts.append(_key_name(self.key))
+        if self.keys:
+            parts.append(",".join(_key_name(k) for k in self.keys))
         if self.posts:
             parts.append("posts " + ",".join(_key_name(k) for k in self.posts))
         if self.inputs:
@@ -144,7 +148,7 @@ class JobProgram:
         keys: dict[int, tuple[HandoffKey, ...]] = {}
         for op in self.ops:
             if op.kind == DOWNLOAD_VALUE:
-                keys[op.inputs[0]] = (*keys.get(op.inputs[0], ()), op.key)
+                keys[op.inputs[0]] = (*keys.get(op.inputs[0], ()), *op.keys)
         return keys
 
     @functools.cached_property
@@ -210,8 +214,8 @@ class _Builder:
         waits = self.last_compute.get(m - 2)
         return self.add(kind, ACT_UPLOAD, microbatch=m, key=key, host_wait=waits)
 
-    def download(self, source: int, m: int, key: HandoffKey) -> None:
-        self.add(DOWNLOAD_VALUE, DOWNLOAD, microbatch=m, key=key, inputs=(source,))
+    def download(self, source: int, m: int, *keys: HandoffKey) -> None:
+        self.add(DOWNLOAD_VALUE, DOWNLOAD, microbatch=m, keys=keys, inputs=(source,))
 
     def weights(self, chunks: int, has_buffers: bool) -> None:
         for chunk in range(chunks):
@@ -224,8 +228,12 @@ class _Builder:
         value = self.upload(UPLOAD_INPUT, m, Activation(job.layers.start, m))
         posts = tuple(RngState(i, m) for i in shape.rng_layers(job))
         computed = self.compute(FORWARD, m, job.layers, (value,), posts=posts)
-        for i in [*shape.forward_saves(job), job.layers.stop]:
-            self.download(computed, m, Activation(i, m))
+        # The output first: the next stage waits for it. The inputs saved for recompute
+        # are read only by backward jobs, much later: one op copies them all.
+        self.download(computed, m, Activation(job.layers.stop, m))
+        saves = shape.forward_saves(job)
+        if saves:
+            self.download(computed, m, *(Activation(i, m) for i in saves))
 
     def fused(self, m: int) -> None:
         job, shape = self.job, self.shape

@@ -216,7 +216,7 @@ def reads_of(op: P.DeviceOp) -> list:
 
 
 def produced_by(op: P.DeviceOp) -> list:
-    return [*([op.key] if op.kind == P.DOWNLOAD_VALUE else []), *op.posts]
+    return [*op.keys, *op.posts]
 
 
 @settings(max_examples=150, deadline=None)

@@ -260,22 +260,30 @@ class JobIssuer:
             return download_tree(self.device, stream, tree)
 
     def download_value(self, op: DeviceOp, stream: Stream) -> None:
-        source, key = self.results[op.inputs[0]], op.key
-        what = _WHAT[type(key)](key)
-        # Only forward jobs download activations: their output or a saved stage input.
-        boundary = isinstance(key, Activation)
-        timing = self.download_timing(boundary, key.layer if boundary else None)
-        host = Slot()
+        """One op copies each value of ``op.keys`` home, each timed on its own."""
+        source, m = self.results[op.inputs[0]], op.microbatch
+        whats = [_WHAT[type(key)](key) for key in op.keys]
+        # Only forward jobs download activations: their output or saved stage inputs.
+        timings = [
+            self.download_timing(True, key.layer)
+            if isinstance(key, Activation)
+            else self.download_timing()
+            for key in op.keys
+        ]
+        hosts = [Slot() for _ in op.keys]
 
         def download() -> None:
-            with failure_site(f"{self.name}: download of {what}, microbatch {op.microbatch}"):
-                host.value = self.timed_download(timing, stream, source.value.pop(key))
+            for key, what, timing, host in zip(op.keys, whats, timings, hosts, strict=True):
+                with failure_site(f"{self.name}: download of {what}, microbatch {m}"):
+                    host.value = self.timed_download(timing, stream, source.value.pop(key))
 
-        stream.submit(download, self.info(op, "download", f"{what} mb{op.microbatch}"))
-        shapes = self.shapes.pop(key, None)
-        if shapes is not None:  # readers take device memory once it was computed
-            shapes.done = self.events[op.inputs[0]]
-        self.mailbox.post(key, Handoff(host, stream.record(), shapes))
+        stream.submit(download, self.info(op, "download", f"{', '.join(whats)} mb{m}"))
+        done = stream.record()
+        for key, host in zip(op.keys, hosts, strict=True):
+            shapes = self.shapes.pop(key, None)
+            if shapes is not None:  # readers take device memory once it was computed
+                shapes.done = self.events[op.inputs[0]]
+            self.mailbox.post(key, Handoff(host, done, shapes))
 
     def take_buffers(self, op: DeviceOp, stream: Stream) -> None:
         slot = self.results[op.index]

@@ -200,8 +200,8 @@ class Simulation:
             if record:
                 transfers = [t for _, t in template.deps[k]] + [False] * len(extra)
                 self._record(op, job, round_id, template, k, g, deps + extra, transfers)
-            if op.kind == P.DOWNLOAD_VALUE:
-                producers[op.key] = g
+            for handoff in op.keys:  # downloads
+                producers[handoff] = g
             for handoff in op.posts:
                 producers[handoff] = g
             if op.kind in P.COMPUTES:
