@@ -9,17 +9,21 @@ one optimizer step per iteration:
 
 After warm-up the runs alternate (A, B, A, B, ...) so drift on a shared machine
 hits both alike; the medians and their ratio RoundPipe / PyTorch are printed.
+``--plan`` may be given several times (``PLAN@layer``: with layer-grain recompute):
+each plan trains its own copy, all alternating with PyTorch in one process.
 ``--cpu`` adds where RoundPipe's CPU time goes: per thread, CPU milliseconds per step
 during its timed steps (Linux: read from ``/proc/self/task``).
 
     .venv/bin/python bench/overhead.py --repeats 7
     .venv/bin/python bench/overhead.py --plan "12|1,1,1,1,1,1,1,1,1,1,1,1,1" --cpu
+    .venv/bin/python bench/overhead.py --plan "12|1,12" --plan "12|1,12@layer"
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import copy
 import os
 import statistics
@@ -102,30 +106,47 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--microbatches", type=int, default=4)
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps of each")
     parser.add_argument("--repeats", type=int, default=9, help="timed steps of each")
-    parser.add_argument("--plan", help='pin a RoundPipe plan, e.g. "3|10,1,2" (default: auto)')
+    parser.add_argument(
+        "--plan",
+        action="append",
+        help='pin a RoundPipe plan, e.g. "3|10,1,2" (default: auto); "PLAN@layer" recomputes '
+        "layer by layer; repeat to compare plans in one run",
+    )
     parser.add_argument(
         "--threads", type=int, default=1, help="torch intra-op threads (1: steady on a busy CPU)"
     )
     parser.add_argument(
         "--cpu", action="store_true", help="print RoundPipe's CPU time per thread (Linux)"
     )
-    return parser.parse_args()
+    args = parser.parse_args()
+    if args.cpu and len(args.plan or []) > 1:
+        parser.error("--cpu measures one plan: give --plan once")
+    return args
 
 
 def main() -> None:
     args = parse_args()
     torch.set_num_threads(args.threads)
     model = build_model(args.layers, args.width)
-    config = RoundPipeRunConfig(num_microbatch=args.microbatches, execute_plan=args.plan)
-    with RoundPipe(copy.deepcopy(model), devices="emulated:1", model_run_config=config) as pipe:
-        steps = {
-            "roundpipe": roundpipe_step(pipe, 1e-4),
-            "pytorch": pytorch_step(copy.deepcopy(model), args.microbatches, 1e-4),
-        }
+    with contextlib.ExitStack() as stack:
+        steps, plans = {}, {}
+        for spec in args.plan or [None]:
+            plan, _, grain = (spec or "").partition("@")
+            config = RoundPipeRunConfig(
+                num_microbatch=args.microbatches,
+                execute_plan=plan or None,
+                recompute_grain=grain or "stage",
+            )
+            pipe = stack.enter_context(
+                RoundPipe(copy.deepcopy(model), devices="emulated:1", model_run_config=config)
+            )
+            name = "roundpipe" if len(args.plan or [None]) == 1 else f"roundpipe {spec}"
+            steps[name], plans[name] = roundpipe_step(pipe, 1e-4), pipe
+        steps["pytorch"] = pytorch_step(copy.deepcopy(model), args.microbatches, 1e-4)
         cpu: collections.Counter = collections.Counter()
         times = run_interleaved(steps, args, cpu if args.cpu else None)
-        plan = pipe.plan
-    report(times, args, plan)
+        plans = {name: pipe.plan for name, pipe in plans.items()}
+    report(times, args, plans)
     if args.cpu:
         report_cpu(cpu, args.repeats, times["pytorch"])
 
@@ -186,17 +207,21 @@ def report_cpu(cpu: collections.Counter, repeats: int, pytorch: list[float]) -> 
     print(f"  {'total':40s} {sum(cpu.values()) / repeats * 1e3:7.1f} ms")
 
 
-def report(times: dict[str, list[float]], args: argparse.Namespace, plan: object) -> None:
+def report(times: dict[str, list[float]], args: argparse.Namespace, plans: dict) -> None:
     medians = {name: statistics.median(t) for name, t in times.items()}
+    used = ", ".join(str(plan) for plan in plans.values())
     print(
         f"{args.layers} blocks x width {args.width}, batch {args.batch} in "
         f"{args.microbatches} microbatches, torch threads {torch.get_num_threads()}, "
-        f"{args.repeats} interleaved runs each, roundpipe plan {plan}"
+        f"{args.repeats} interleaved runs each, roundpipe plan {used}"
     )
+    width = max(len(name) for name in medians)
     for name, median in medians.items():
         spread = f"{min(times[name]) * 1e3:.1f}-{max(times[name]) * 1e3:.1f}"
-        print(f"{name:>10}: median {median * 1e3:7.1f} ms/step  (range {spread} ms)")
-    print(f"ratio roundpipe/pytorch: {medians['roundpipe'] / medians['pytorch']:.3f}")
+        print(f"{name:>{width}}: median {median * 1e3:7.1f} ms/step  (range {spread} ms)")
+    for name in plans:
+        ratio = medians[name] / medians["pytorch"]
+        print(f"ratio {name}/pytorch: {ratio:.3f}")
 
 
 if __name__ == "__main__":
