@@ -289,6 +289,24 @@ def test_a_program_waits_for_its_weights_ends_with_its_release_and_prints_every_
             assert f"#{op.index} " in str(op)
 
 
+@settings(max_examples=100, deadline=None)
+@given(programs_cases())
+def test_a_forward_job_downloads_its_output_first_then_its_saved_inputs_in_one_op(case):
+    schedule, programs = lowered(case)
+    shape = call_shape(schedule, case[2], case[3], case[4], case[5])
+    for program in programs:
+        job = program.job
+        if job.kind is not JobKind.FORWARD:
+            continue
+        saves = shape.forward_saves(job)
+        for m in range(shape.num_microbatches):
+            downloads = [op for op in program.on(P.DOWNLOAD) if op.microbatch == m]
+            expected = [(Activation(job.layers.stop, m),)]
+            if saves:
+                expected.append(tuple(Activation(i, m) for i in saves))
+            assert [op.keys for op in downloads] == expected, str(program)
+
+
 # -- 3. host waits bound uploads ------------------------------------------------------
 
 
