@@ -12,7 +12,10 @@ hits both alike; the medians and their ratio RoundPipe / PyTorch are printed.
 ``--plan`` may be given several times (``PLAN@layer``: with layer-grain recompute):
 each plan trains its own copy, all alternating with PyTorch in one process.
 ``--cpu`` adds where RoundPipe's CPU time goes: per thread, CPU milliseconds per step
-during its timed steps (Linux: read from ``/proc/self/task``).
+during its timed steps (Linux: read from ``/proc/self/task``). ``--ops`` adds, after
+them, what the emulated device's executor spent per op kind: how long the closures
+ran and the CPU they used (less when the thread waited for the interpreter lock or a
+core), per step and per op.
 
     .venv/bin/python bench/overhead.py --repeats 7
     .venv/bin/python bench/overhead.py --plan "12|1,1,1,1,1,1,1,1,1,1,1,1,1" --cpu
@@ -118,9 +121,12 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--cpu", action="store_true", help="print RoundPipe's CPU time per thread (Linux)"
     )
+    parser.add_argument(
+        "--ops", action="store_true", help="print the device executor's time per op kind"
+    )
     args = parser.parse_args()
-    if args.cpu and len(args.plan or []) > 1:
-        parser.error("--cpu measures one plan: give --plan once")
+    if (args.cpu or args.ops) and len(args.plan or []) > 1:
+        parser.error("--cpu and --ops measure one plan: give --plan once")
     return args
 
 
@@ -145,10 +151,13 @@ def main() -> None:
         steps["pytorch"] = pytorch_step(copy.deepcopy(model), args.microbatches, 1e-4)
         cpu: collections.Counter = collections.Counter()
         times = run_interleaved(steps, args, cpu if args.cpu else None)
+        ops = measure_ops(plans["roundpipe"], steps["roundpipe"], args) if args.ops else None
         plans = {name: pipe.plan for name, pipe in plans.items()}
     report(times, args, plans)
     if args.cpu:
         report_cpu(cpu, args.repeats, times["pytorch"])
+    if ops is not None:
+        report_ops(ops, args.repeats)
 
 
 def run_interleaved(
@@ -171,6 +180,37 @@ def run_interleaved(
             if before is not None:
                 cpu.update({k: v - before.get(k, 0.0) for k, v in thread_cpu_seconds().items()})
     return times
+
+
+def measure_ops(pipe: RoundPipe, step: Callable[..., None], args: argparse.Namespace) -> dict:
+    """Run ``args.repeats`` more RoundPipe steps recording the executor's ops; per (stream,
+    op kind): [count, seconds the closures ran, CPU seconds they used]."""
+    x = torch.randn(args.batch, args.width)
+    y = torch.randn(args.batch, 1)
+    pipe.start_timeline()
+    for _ in range(args.repeats):
+        step(x, y)
+    totals: dict = collections.defaultdict(lambda: [0, 0.0, 0.0])
+    for span in pipe.pool.spans():
+        entry = totals[(span.stream, span.info.kind)]
+        entry[0] += 1
+        entry[1] += span.ran
+        entry[2] += span.cpu
+    return totals
+
+
+def report_ops(totals: dict, repeats: int) -> None:
+    print(f"executor per step, by op ({repeats} steps; wall = closure ran, cpu = on a core):")
+    print(f"  {'stream':14s} {'op':12s} {'ops':>6s} {'wall ms':>8s} {'cpu ms':>7s} {'us/op':>11s}")
+    ran = cpu = 0.0
+    for (stream, kind), (count, seconds, used) in sorted(totals.items(), key=lambda e: -e[1][1]):
+        ran, cpu = ran + seconds, cpu + used
+        per_op = f"{seconds / count * 1e6:.0f}/{used / count * 1e6:.0f}"
+        print(
+            f"  {stream:14s} {kind:12s} {count / repeats:6.1f} {seconds / repeats * 1e3:8.2f} "
+            f"{used / repeats * 1e3:7.2f} {per_op:>11s}"
+        )
+    print(f"  {'total':27s} {'':6s} {ran / repeats * 1e3:8.2f} {cpu / repeats * 1e3:7.2f}")
 
 
 def thread_cpu_seconds() -> dict[str, float]:

@@ -105,6 +105,26 @@ def test_ops_of_one_stream_do_not_overlap(pools):
     assert window(pool) >= 3 * OP_S - EPS
 
 
+def test_a_span_records_how_long_its_closure_ran_and_the_cpu_it_used(pools):
+    pool = make(pools, kernel_time=kernel_time)
+    device = pool.devices[0]
+
+    def spin() -> None:  # until this thread has used 20 ms of CPU
+        start = time.thread_time()
+        while time.thread_time() - start < 0.02:
+            pass
+
+    device.compute.submit(lambda: time.sleep(0.03), OpInfo("forward", "sleep"))
+    device.compute.submit(spin, OpInfo("forward", "spin"))
+    device.compute.submit(lambda: kernel_op(device), OpInfo("forward", "modelled"))
+    done(device.compute)
+    spans = {s.info.label: s for s in pool.spans()}
+    assert spans["sleep"].ran >= 0.03 - EPS and spans["sleep"].cpu < 0.015
+    assert spans["spin"].cpu >= 0.02 - EPS and spans["spin"].ran >= spans["spin"].cpu
+    modelled = spans["modelled"]  # modelled time is not closure time
+    assert modelled.end - modelled.start >= OP_S - EPS and modelled.ran < 0.5 * OP_S
+
+
 def test_copies_of_one_engine_do_not_overlap_with_each_other(pools):
     pool = make(pools, h2d_gbps=GBPS)
     device = pool.devices[0]

@@ -68,6 +68,11 @@ class SpanRecord:
     info: OpInfo
     start: float
     end: float
+    ran: float = 0.0
+    """Emulator: seconds its closure ran on the device's executor thread (0 on CUDA)."""
+    cpu: float = 0.0
+    """Emulator: CPU seconds that thread used meanwhile (less than ``ran`` when it waited
+    for the interpreter lock or a core)."""
 
 
 class Slot:

@@ -258,9 +258,19 @@ class EmulatedDevicePool(DevicePool):
         with self._spans_lock:
             return list(self._spans)
 
-    def record_span(self, device: int, stream: str, info: OpInfo, start: float, end: float) -> None:
-        """An op ran on ``stream`` from ``start`` (it was ready) to ``end`` (modelled)."""
-        span = SpanRecord(device, stream, info, start, end)
+    def record_span(
+        self,
+        device: int,
+        stream: str,
+        info: OpInfo,
+        start: float,
+        end: float,
+        ran: float = 0.0,
+        cpu: float = 0.0,
+    ) -> None:
+        """An op ran on ``stream`` from ``start`` (it was ready) to ``end`` (modelled); its
+        closure ran ``ran`` seconds, ``cpu`` of them on a core."""
+        span = SpanRecord(device, stream, info, start, end, ran, cpu)
         with self._spans_lock:
             self._spans.append(span)
 

@@ -30,7 +30,7 @@ from __future__ import annotations
 import math
 import threading
 from collections.abc import Sequence
-from time import perf_counter
+from time import perf_counter, thread_time
 from typing import TYPE_CHECKING
 
 from .emulated_stream import RUNNING, EmulatedEvent, EmulatedStream, QueuedOp
@@ -198,6 +198,9 @@ class DeviceExecutor:
     def _run_op(self, stream: EmulatedStream, op: QueuedOp) -> None:
         """Run ``op``'s closure (skipped after an error) and set its modelled end."""
         op.cursor = op.start
+        measured = self.device.pool.recording
+        if measured:
+            began, cpu = perf_counter(), thread_time()
         RUNNING.stream, RUNNING.op = stream, op
         try:
             if stream.error is None:
@@ -210,7 +213,10 @@ class DeviceExecutor:
             op.fn = None
         finally:
             RUNNING.stream = RUNNING.op = None
-        op.end = max(perf_counter(), op.cursor)
+        now = perf_counter()
+        if measured:
+            op.ran, op.cpu = now - began, thread_time() - cpu
+        op.end = max(now, op.cursor)
 
     def _finish(self, stream: EmulatedStream, op: QueuedOp, error: BaseException | None) -> None:
         events, op.events = op.events, None
@@ -219,4 +225,6 @@ class DeviceExecutor:
                 event.complete(error, op.end)
         pool = self.device.pool
         if pool.recording:
-            pool.record_span(self.device.index, stream.name, op.info, op.ready, op.end)
+            pool.record_span(
+                self.device.index, stream.name, op.info, op.ready, op.end, op.ran, op.cpu
+            )

@@ -137,7 +137,19 @@ class HostEvent(EmulatedEvent):
 class QueuedOp:
     """A submitted op: its closure, and its modelled times once the executor reached it."""
 
-    __slots__ = ("cursor", "end", "events", "fn", "info", "issued", "ready", "start", "ticket")
+    __slots__ = (
+        "cpu",
+        "cursor",
+        "end",
+        "events",
+        "fn",
+        "info",
+        "issued",
+        "ran",
+        "ready",
+        "start",
+        "ticket",
+    )
 
     def __init__(self, fn: Callable[[], None], info: OpInfo, ticket: int, issued: float) -> None:
         self.fn: Callable[[], None] | None = fn
@@ -149,6 +161,7 @@ class QueuedOp:
         self.start = 0.0  # its modelled start: ready + jitter, the engine free for a copy
         self.cursor = 0.0  # while it runs: start + the modelled time charged so far
         self.end = 0.0  # modelled end: max(real end, cursor)
+        self.ran = self.cpu = 0.0  # while recording: its closure's wall and CPU seconds
 
 
 class QueuedWait:
