@@ -200,9 +200,7 @@ class Simulation:
             if record:
                 transfers = [t for _, t in template.deps[k]] + [False] * len(extra)
                 self._record(op, job, round_id, template, k, g, deps + extra, transfers)
-            for handoff in op.keys:  # downloads
-                producers[handoff] = g
-            for handoff in op.posts:
+            for handoff in (*op.keys, *op.posts):  # downloads; what compute ops hand over
                 producers[handoff] = g
             if op.kind in P.COMPUTES:
                 compute_ops.append(g)
