@@ -135,8 +135,9 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     model = build_model(args.layers, args.width)
     with contextlib.ExitStack() as stack:
-        steps, plans = {}, {}
-        for spec in args.plan or [None]:
+        steps, pipes = {}, {}
+        specs = args.plan or [None]
+        for spec in specs:
             plan, _, grain = (spec or "").partition("@")
             config = RoundPipeRunConfig(
                 num_microbatch=args.microbatches,
@@ -146,13 +147,13 @@ def main() -> None:
             pipe = stack.enter_context(
                 RoundPipe(copy.deepcopy(model), devices="emulated:1", model_run_config=config)
             )
-            name = "roundpipe" if len(args.plan or [None]) == 1 else f"roundpipe {spec}"
-            steps[name], plans[name] = roundpipe_step(pipe, 1e-4), pipe
+            name = "roundpipe" if len(specs) == 1 else f"roundpipe {spec}"
+            steps[name], pipes[name] = roundpipe_step(pipe, 1e-4), pipe
         steps["pytorch"] = pytorch_step(copy.deepcopy(model), args.microbatches, 1e-4)
         cpu: collections.Counter = collections.Counter()
         times = run_interleaved(steps, args, cpu if args.cpu else None)
-        ops = measure_ops(plans["roundpipe"], steps["roundpipe"], args) if args.ops else None
-        plans = {name: pipe.plan for name, pipe in plans.items()}
+        ops = measure_ops(pipes["roundpipe"], steps["roundpipe"], args) if args.ops else None
+        plans = {name: pipe.plan for name, pipe in pipes.items()}
     report(times, args, plans)
     if args.cpu:
         report_cpu(cpu, args.repeats, times["pytorch"])
