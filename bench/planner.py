@@ -2,10 +2,10 @@
 
 Speed: ``auto_plan`` on deep uniform models (a 32B-like layer: 20 ms forward per
 microbatch, 975 MB of weights over a 25 GB/s link) for 64 and 200 layers on 8
-devices. Quality, on the randomised profiles of ``roundpipe.sim.profiles`` (fixed
+devices. Quality, on the randomised profiles of ``roundpipe.planning.sim.profiles`` (fixed
 seeds): the automatic plan's steady-state iteration time against the paper's greedy
 rule and against the best plan with equal-size stages (every fused size f and stage
-size k, searched exhaustively with the lower bounds of ``roundpipe.sim.bounds``: a
+size k, searched exhaustively with the lower bounds of ``roundpipe.planning.sim.bounds``: a
 plan whose cheap or job-level bound is above the incumbent cannot win), its isolated
 iteration (one iteration from idle) against the compute lower bound: the first layer's
 weight upload and first forward, then the least total compute over N (the plan with
@@ -25,16 +25,16 @@ import json
 import statistics
 import time
 
-from roundpipe.partition import (
+from roundpipe.planning.partition import (
     auto_plan,
     equal_size_plans,
     paper_greedy_plan,
     predict_iteration_time,
 )
-from roundpipe.sim.bounds import PlanBounds
-from roundpipe.sim.costs import CostModel, LayerCosts
-from roundpipe.sim.profiles import random_profile
-from roundpipe.sim.roundpipe_schedule import simulate_roundpipe
+from roundpipe.planning.sim.bounds import PlanBounds
+from roundpipe.planning.sim.costs import CostModel, LayerCosts
+from roundpipe.planning.sim.profiles import random_profile
+from roundpipe.planning.sim.roundpipe_schedule import simulate_roundpipe
 
 SPEED_CASES = ((28, 4, 8), (64, 8, 8), (64, 8, 16), (200, 8, 16))
 

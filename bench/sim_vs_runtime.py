@@ -6,7 +6,7 @@ gradient downloads take ``bytes / bandwidth`` on a per-device link. The layers a
 tiny in real compute, so modelled time dominates. RoundPipe then runs real
 pipelined training iterations (one ``forward_backward`` of M microbatches plus an
 asynchronous ``step``), and the measured steady-state time per iteration is
-compared with ``roundpipe.sim.steady_iteration_time`` for the same plan, costs,
+compared with ``roundpipe.planning.sim.steady_iteration_time`` for the same plan, costs,
 bandwidth and weight bytes (activation transfers: comm = 0).
 
     .venv/bin/python bench/sim_vs_runtime.py --devices 4 8
@@ -28,8 +28,8 @@ from torch import nn
 
 from roundpipe import EmulatedOptions, Plan, RoundPipe, RoundPipeRunConfig
 from roundpipe.devices import OpInfo, SpanRecord
-from roundpipe.partition import auto_plan
-from roundpipe.sim import CostModel, LayerCosts, steady_iteration_time
+from roundpipe.planning.partition import auto_plan
+from roundpipe.planning.sim import CostModel, LayerCosts, steady_iteration_time
 
 
 def build_model(layers: int, width: int) -> nn.Sequential:

@@ -6,12 +6,12 @@ thread and touches no device.
 """
 
 from .cluster import CommOptions, PeerFailure
-from .config import RoundPipeRunConfig
+from .core.config import RoundPipeRunConfig
+from .core.plan import Plan, PlanError
+from .core.schedule import Job, JobKind, Schedule, lower
 from .devices import DevicePool, EmulatedDevicePool, EmulatedOptions, OpInfo, make_pool
 from .errors import RoundPipeError
 from .model import RoundPipe
-from .plan import Plan, PlanError
-from .schedule import Job, JobKind, Schedule, lower
 
 __all__ = [
     "CommOptions",

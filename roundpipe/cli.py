@@ -11,7 +11,7 @@ Two modes of ``simulate``:
   and whether each fits (``--lora R``, ``--precision``, ``--pcie``, ``--host-ram``,
   ``--host-bandwidth``); ``--max-seq-len`` answers only the longest sequence that fits;
   ``--nodes K --network-gbps G`` predicts RoundPipe on K such boxes (data parallel,
-  :mod:`roundpipe.predict_nodes`), ``--scaling`` for K = 1, 2, 4, ... 64.
+  :mod:`roundpipe.predict.nodes`), ``--scaling`` for K = 1, 2, 4, ... 64.
 """
 
 from __future__ import annotations
@@ -24,16 +24,16 @@ from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 
-from .gpus import GPU_PRESETS, PCIE_BANDWIDTH, PRECISIONS, gpu_preset
-from .model_specs import MODEL_PRESETS, ModelSpec, model_preset
-from .partition import auto_plan
-from .plan import Plan, PlanError
-from .predict import DEFAULT_HOST_BANDWIDTH, Prediction, Workload, max_seq_len, predict
-from .predict_nodes import GRAD_BYTES, Network, NodesPrediction, predict_nodes, scaling_table
-from .sim.baselines import BASELINES, simulate_baseline
-from .sim.costs import CostModel, LayerCosts
-from .sim.result import SimResult
-from .sim.roundpipe_schedule import simulate_roundpipe
+from .core.plan import Plan, PlanError
+from .planning.partition import auto_plan
+from .planning.sim.baselines import BASELINES, simulate_baseline
+from .planning.sim.costs import CostModel, LayerCosts
+from .planning.sim.result import SimResult
+from .planning.sim.roundpipe_schedule import simulate_roundpipe
+from .predict.gpus import GPU_PRESETS, PCIE_BANDWIDTH, PRECISIONS, gpu_preset
+from .predict.model_specs import MODEL_PRESETS, ModelSpec, model_preset
+from .predict.models import DEFAULT_HOST_BANDWIDTH, Prediction, Workload, max_seq_len, predict
+from .predict.nodes import GRAD_BYTES, Network, NodesPrediction, predict_nodes, scaling_table
 from .train.command import add_train_parser
 
 SCHEDULES = ("roundpipe", *BASELINES)

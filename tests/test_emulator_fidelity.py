@@ -39,9 +39,9 @@ from collections.abc import Callable, Iterator
 import pytest
 import torch
 
-import roundpipe.devices.emulated_memory as emulated_memory
+import roundpipe.devices.emulated.memory as emulated_memory
 from roundpipe.devices import EmulatedDevicePool, EmulatedOptions, OpInfo, Slot
-from roundpipe.devices.emulated_stream import HostEvent
+from roundpipe.devices.emulated.stream import HostEvent
 
 TIMEOUT_S = 10.0
 MB = 1_000_000  # bandwidths are in GB/s = 1e9 bytes per second

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import time
 
-from roundpipe.partition_rules import stage_footprint
-from roundpipe.plan import Plan
-from roundpipe.runtime.planner import AutoPlanner, activations_moved
+from roundpipe.core.plan import Plan
+from roundpipe.planning.planner import AutoPlanner, activations_moved
+from roundpipe.planning.rules import stage_footprint
 from roundpipe.runtime.profiler import LayerProfiler, TransferTiming
 
 LAYERS, MIB = 16, 2**20

@@ -12,16 +12,16 @@ import random
 
 import pytest
 
-from roundpipe.partition import predict_iteration_time
-from roundpipe.partition_rules import equal_size
-from roundpipe.partition_search import Search
-from roundpipe.plan import Plan
-from roundpipe.sim.costs import CostModel, LayerCosts
-from roundpipe.sim.job_bound import JobCosts, relaxed_iteration_ends
-from roundpipe.sim.profiles import random_profile
-from roundpipe.sim.roundpipe_schedule import steady_iteration_time
-from roundpipe.sim.rounds import Config, Simulation
-from roundpipe.sim.walk import Undecided, iteration_ends
+from roundpipe.core.plan import Plan
+from roundpipe.planning.partition import predict_iteration_time
+from roundpipe.planning.rules import equal_size
+from roundpipe.planning.search import Search
+from roundpipe.planning.sim.costs import CostModel, LayerCosts
+from roundpipe.planning.sim.job_bound import JobCosts, relaxed_iteration_ends
+from roundpipe.planning.sim.profiles import random_profile
+from roundpipe.planning.sim.roundpipe_schedule import steady_iteration_time
+from roundpipe.planning.sim.rounds import Config, Simulation
+from roundpipe.planning.sim.walk import Undecided, iteration_ends
 
 ITERATIONS = 6
 

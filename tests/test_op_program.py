@@ -1,4 +1,4 @@
-"""The op program of a stage job (:mod:`roundpipe.program`) and the runtime that runs it.
+"""The op program of a stage job (:mod:`roundpipe.core.program`) and the runtime that runs it.
 
 The runtime and the simulator share one description of what a job does on its device:
 ``job_program`` lowers each job of ``schedule.lower`` to an ordered tuple of device ops
@@ -31,10 +31,10 @@ from test_plan_and_schedule import _sizes, plans
 from torch import nn
 
 from roundpipe import EmulatedOptions, JobKind, Plan, RoundPipe, RoundPipeRunConfig, lower
-from roundpipe import program as P
-from roundpipe.keys import Activation, InputGrad, Loss, Output
-from roundpipe.program import CallShape, JobProgram, job_program, plan_chunks, recompute_inputs
-from roundpipe.schedule import Schedule
+from roundpipe.core import program as P
+from roundpipe.core.keys import Activation, InputGrad, Loss, Output
+from roundpipe.core.program import CallShape, JobProgram, job_program, plan_chunks, recompute_inputs
+from roundpipe.core.schedule import Schedule
 
 STREAMS = (P.WEIGHT_UPLOAD, P.ACT_UPLOAD, P.COMPUTE, P.DOWNLOAD)
 WIDTH = 8

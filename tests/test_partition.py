@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from roundpipe.partition import (
+from roundpipe.core.plan import Plan, PlanError
+from roundpipe.planning.partition import (
     auto_plan,
     devices_visited,
     fits,
@@ -12,8 +13,7 @@ from roundpipe.partition import (
     should_replan,
     stage_footprint,
 )
-from roundpipe.plan import Plan, PlanError
-from roundpipe.sim import CostModel, LayerCosts, simulate_baseline
+from roundpipe.planning.sim import CostModel, LayerCosts, simulate_baseline
 
 DEVICES, MICROBATCHES = 8, 8
 

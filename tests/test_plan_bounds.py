@@ -12,16 +12,16 @@ import random
 
 import pytest
 
-from roundpipe.partition import (
+from roundpipe.core.plan import Plan
+from roundpipe.planning.partition import (
     auto_plan,
     equal_size_plans,
     paper_greedy_plan,
     predict_iteration_time,
 )
-from roundpipe.plan import Plan
-from roundpipe.sim.bounds import PlanBounds
-from roundpipe.sim.costs import CostModel, LayerCosts
-from roundpipe.sim.rounds import Config, Simulation
+from roundpipe.planning.sim.bounds import PlanBounds
+from roundpipe.planning.sim.costs import CostModel, LayerCosts
+from roundpipe.planning.sim.rounds import Config, Simulation
 
 
 def _profile(rng: random.Random, layers: int) -> CostModel:

@@ -1,7 +1,7 @@
 """The automatic plan against hand-tuned ones on 50 randomised profiles (about 20 s on
 two cores).
 
-For each profile of ``roundpipe.sim.profiles`` (fixed seeds) the automatic plan's
+For each profile of ``roundpipe.planning.sim.profiles`` (fixed seeds) the automatic plan's
 simulated steady-state iteration time must not exceed the paper's greedy rule's, nor
 the best plan with equal-size stages (every fused size and stage size, searched
 exhaustively: a plan whose lower bound, cheap or job-level, is not below the automatic
@@ -12,14 +12,14 @@ from __future__ import annotations
 
 import pytest
 
-from roundpipe.partition import (
+from roundpipe.planning.partition import (
     auto_plan,
     equal_size_plans,
     paper_greedy_plan,
     predict_iteration_time,
 )
-from roundpipe.sim.bounds import PlanBounds
-from roundpipe.sim.profiles import random_profile
+from roundpipe.planning.sim.bounds import PlanBounds
+from roundpipe.planning.sim.profiles import random_profile
 
 
 @pytest.mark.parametrize("seed", range(50))

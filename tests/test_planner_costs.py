@@ -12,9 +12,9 @@ import torch
 from torch import nn
 
 from roundpipe import EmulatedOptions, RoundPipe, RoundPipeRunConfig
-from roundpipe.partition import auto_plan
-from roundpipe.plan import Plan
-from roundpipe.runtime.planner import AutoPlanner, link_moved
+from roundpipe.core.plan import Plan
+from roundpipe.planning.partition import auto_plan
+from roundpipe.planning.planner import AutoPlanner, link_moved
 from roundpipe.runtime.profiler import MIN_TIMED_BYTES, LayerProfiler
 
 WIDTH, ROWS, MICROBATCHES = 256, 128, 4

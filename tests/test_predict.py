@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from roundpipe import unit_costs
 from roundpipe.cli import main
-from roundpipe.gpus import gpu_preset
-from roundpipe.model_specs import ModelSpec, model_preset
-from roundpipe.predict import Workload, max_seq_len, predict
-from roundpipe.unit_costs import Kernels, layer_cost
+from roundpipe.predict import unit_costs
+from roundpipe.predict.gpus import gpu_preset
+from roundpipe.predict.model_specs import ModelSpec, model_preset
+from roundpipe.predict.models import Workload, max_seq_len, predict
+from roundpipe.predict.unit_costs import Kernels, layer_cost
 
 # The RoundPipe paper on 8x RTX 4090, PCIe 4.0, fp16 with fp16 accumulation, 2048-token
 # sequences: (model, global batch, LoRA rank, tokens/s, longest sequence). The 235B

@@ -10,7 +10,7 @@ from oracle import batch, mlp, mse_sum
 from torch import nn
 
 from roundpipe import EmulatedOptions, RoundPipe, RoundPipeRunConfig
-from roundpipe.sim.roundpipe_schedule import round_schedules
+from roundpipe.planning.sim.roundpipe_schedule import round_schedules
 
 COMPUTE_KINDS = {"forward", "fused", "recompute", "backward"}
 
@@ -141,7 +141,7 @@ def test_the_automatic_plan_is_chosen_for_one_round_of_the_calls_microbatches(mo
     """Every job of a call takes all of its microbatches: the partitioner must score
     plans for that (a call of N + 1 microbatches is one round, not a round of N and
     one of 1)."""
-    import roundpipe.runtime.planner as planner
+    import roundpipe.planning.planner as planner
 
     asked = []
     real = planner.auto_plan
@@ -161,9 +161,9 @@ def test_the_automatic_plan_is_chosen_for_one_round_of_the_calls_microbatches(mo
 def test_a_replan_runs_off_the_callers_thread_and_takes_effect_at_a_later_call(monkeypatch):
     import threading
 
-    import roundpipe.runtime.planner as planner
-    from roundpipe.plan import Plan
-    from roundpipe.sim.costs import CostModel, LayerCosts
+    import roundpipe.planning.planner as planner
+    from roundpipe.core.plan import Plan
+    from roundpipe.planning.sim.costs import CostModel, LayerCosts
 
     def profile(head: float) -> LayerCosts:
         return LayerCosts.from_lists([1.0] * 5 + [head], [2.0] * 5 + [2 * head], [0] * 6)

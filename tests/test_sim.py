@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from roundpipe.plan import Plan
-from roundpipe.predict import MODEL_PRESETS, ModelSpec, Workload, model_preset, predict
-from roundpipe.schedule import lower
-from roundpipe.sim import (
+from roundpipe.core.plan import Plan
+from roundpipe.core.schedule import lower
+from roundpipe.core.timeline import Span
+from roundpipe.planning.sim import (
     BASELINES,
     CostModel,
     LayerCosts,
@@ -17,9 +17,9 @@ from roundpipe.sim import (
     simulate_roundpipe,
     steady_iteration_time,
 )
-from roundpipe.sim.costs import hardware
-from roundpipe.sim.engine import Dep, Op, run
-from roundpipe.timeline import Span
+from roundpipe.planning.sim.costs import hardware
+from roundpipe.planning.sim.engine import Dep, Op, run
+from roundpipe.predict.models import MODEL_PRESETS, ModelSpec, Workload, model_preset, predict
 
 
 def _compute(spans: list[Span]) -> list[Span]:

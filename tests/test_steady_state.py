@@ -12,10 +12,10 @@ import random
 
 import pytest
 
-from roundpipe.plan import Plan
-from roundpipe.sim.costs import CostModel, LayerCosts
-from roundpipe.sim.roundpipe_schedule import steady_iteration_time
-from roundpipe.sim.rounds import Config, Simulation
+from roundpipe.core.plan import Plan
+from roundpipe.planning.sim.costs import CostModel, LayerCosts
+from roundpipe.planning.sim.roundpipe_schedule import steady_iteration_time
+from roundpipe.planning.sim.rounds import Config, Simulation
 
 LONG_RUN = 24
 

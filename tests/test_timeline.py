@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from roundpipe.timeline import HOST, Span, Timeline
+from roundpipe.core.timeline import HOST, Span, Timeline
 
 
 def _timeline() -> Timeline:

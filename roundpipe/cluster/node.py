@@ -17,9 +17,9 @@ from collections.abc import Callable, Iterable
 
 import torch
 
+from ..core.schedule import JobKind
 from ..runtime.call import Call
 from ..runtime.params import ParameterStore
-from ..schedule import JobKind
 from .comm import Comm, PeerFailure
 from .layout import Bucket, ShardLayout, TensorSpec, shard_layout
 

@@ -23,7 +23,7 @@ from .base import (
     Stream,
     Timer,
 )
-from .emulated import EmulatedDevicePool, EmulatedOptions
+from .emulated.device import EmulatedDevicePool, EmulatedOptions
 
 __all__ = [
     "Device",

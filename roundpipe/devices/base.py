@@ -52,7 +52,7 @@ class OpInfo:
     nbytes: int = 0
     layers: tuple[int, ...] = ()
     job: int = -1  # index of the schedule job the op belongs to (-1: none)
-    op: int = -1  # index of the op in its job's program (roundpipe.program; -1: none)
+    op: int = -1  # index of the op in its job's program (roundpipe.core.program; -1: none)
     pageable: bool = False
     """A host-to-device copy reading pageable (not page-locked) host memory: CUDA stages
     it through a pinned buffer of the driver's, so issuing it blocks the host thread

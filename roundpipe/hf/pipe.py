@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from ..cluster import PeerFailure
-from ..config import RoundPipeRunConfig
+from ..core.config import RoundPipeRunConfig
 from ..model import RoundPipe
 from .decoder import IGNORE_INDEX, decoder_layers
 from .families import family_of

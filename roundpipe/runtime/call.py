@@ -23,11 +23,11 @@ from typing import Any
 
 import torch
 
-from ..config import RoundPipeRunConfig
+from ..core.config import RoundPipeRunConfig
+from ..core.keys import Activation, HandoffKey, InputGrad, Loss, Output, RngState
+from ..core.program import CallShape, recompute_inputs
+from ..core.schedule import Job, JobKind, Schedule
 from ..devices import Slot
-from ..keys import Activation, HandoffKey, InputGrad, Loss, Output, RngState
-from ..program import CallShape, recompute_inputs
-from ..schedule import Job, JobKind, Schedule
 from .sync import Handoff, Latch, Mailbox, wait_event
 from .versions import VersionState
 

@@ -16,8 +16,8 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from ..config import RoundPipeRunConfig
-from ..microbatch import batch_size, split_inputs, split_tree, tensor_leaves
+from ..core.config import RoundPipeRunConfig
+from .microbatch import batch_size, split_inputs, split_tree, tensor_leaves
 
 _Key = tuple[torch.dtype, tuple[int, ...]]
 

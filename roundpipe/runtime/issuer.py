@@ -1,4 +1,4 @@
-"""Issuing a job's device ops by interpreting its program (:mod:`roundpipe.program`).
+"""Issuing a job's device ops by interpreting its program (:mod:`roundpipe.core.program`).
 
 The prefetch thread has issued the program's weight ops (:mod:`.prefetch`); a
 :class:`JobIssuer` issues the rest, in program order, on the worker's issue thread,
@@ -25,12 +25,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .. import program as P
+from ..core import program as P
+from ..core.keys import Activation, InputGrad, Loss, Output
+from ..core.program import DeviceOp, JobProgram
+from ..core.schedule import Job, JobKind
 from ..devices import Event, OpInfo, Slot, Stream
 from ..errors import failure_site
-from ..keys import Activation, InputGrad, Loss, Output
-from ..program import DeviceOp, JobProgram
-from ..schedule import Job, JobKind
 from .call import Call
 from .prefetch import StageWeights
 from .profiler import TransferTiming

@@ -28,10 +28,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ..core.program import UPLOAD_BUFFERS, JobProgram, job_program, plan_chunks
+from ..core.schedule import Job, JobKind
 from ..devices import Event, OpInfo, Slot
 from ..errors import failure_site
-from ..program import UPLOAD_BUFFERS, JobProgram, job_program, plan_chunks
-from ..schedule import Job, JobKind
 from .call import Call
 from .profiler import TransferTiming
 

@@ -27,7 +27,7 @@ from collections.abc import Iterator, Sequence
 from torch import nn
 
 from ..devices import Device
-from ..sim.costs import CostModel, LayerCosts
+from ..planning.sim.costs import CostModel, LayerCosts
 
 _ESTIMATE_SECONDS_PER_PARAM = 1e-9
 _ESTIMATE_FLOOR_SECONDS = 1e-6

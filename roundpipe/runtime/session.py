@@ -29,9 +29,9 @@ from typing import Any, NoReturn
 import torch
 from torch import nn
 
+from ..core.schedule import Job
 from ..devices import DevicePool
 from ..errors import RoundPipeError
-from ..schedule import Job
 from . import interrupts, lifetime
 from .call import Call
 from .inputs import HostBufferPool

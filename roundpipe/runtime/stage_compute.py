@@ -12,9 +12,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ..core.keys import Activation, InputGrad, Loss, Output, RngState
 from ..devices import OpInfo, Slot, Timer
 from ..errors import failure_site
-from ..keys import Activation, InputGrad, Loss, Output, RngState
 from .transfer import grads_of_inputs, inplace_safe, pair_outputs_with_grads
 
 if TYPE_CHECKING:

@@ -27,10 +27,10 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from ..core.program import JobProgram
+from ..core.schedule import Job, JobKind
 from ..devices import Device, Event
 from ..errors import locate
-from ..program import JobProgram
-from ..schedule import Job, JobKind
 from .call import Call
 from .issuer import JobIssuer, job_name
 from .layers import LayerBinding

@@ -7,7 +7,7 @@ options that decide which parameters exist (:data:`~roundpipe.train.options.SHAP
 must match for ``--resume``; others may change and are reported.
 
 Under ``torchrun`` with K processes a checkpoint is sharded: rank r keeps its part in
-``step-N/rank<r>-of-<K>`` (see :func:`roundpipe.checkpoint.shard_path`). Each rank
+``step-N/rank<r>-of-<K>`` (see :func:`roundpipe.model.checkpoint.shard_path`). Each rank
 finds, resumes and prunes its own shards only, so it works whether or not the ranks
 share a filesystem (on a shared one they never touch the same files); ``shard`` below
 is ``{"rank", "world"}``, None for one process. A checkpoint resumes only with the
@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from ..checkpoint import existing_checkpoint, shard_path
+from ..model.checkpoint import existing_checkpoint, shard_path
 from .options import SHAPE_KEYS, TrainOptions, UsageError
 
 CHECKPOINTS_DIR = "checkpoints"

@@ -108,8 +108,8 @@ def build_pipe(options: TrainOptions, ranks: Ranks | None = None):
     """The model of ``options`` as an ``HFRoundPipe``, with the ``GradScaler`` an fp16
     model trains with (else ``None``). Under ``torchrun`` (``ranks``), data parallel over
     the world group, whose collectives time out after ``--dist-timeout``."""
-    from roundpipe import RoundPipe, RoundPipeRunConfig
-    from roundpipe.cluster import CommOptions
+    from .. import RoundPipe, RoundPipeRunConfig
+    from ..cluster import CommOptions
 
     lora = None
     if not options.full:

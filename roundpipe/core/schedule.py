@@ -1,6 +1,6 @@
 """A plan lowered to an ordered list of stage jobs: the one schedule two consumers share.
 
-The runtime executes this list and the simulator (``roundpipe.sim``) replays it
+The runtime executes this list and the simulator (``roundpipe.planning.sim``) replays it
 with a cost model, so both agree by construction on which device runs which job
 (DESIGN.md §10). A job is one stage for *all* microbatches of a call; job ``j``
 runs on device ``(first_device + j) mod N`` (round-robin dispatch, §2).

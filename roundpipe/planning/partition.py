@@ -19,15 +19,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from .partition_rules import (  # noqa: F401 (public)
+from ..core.plan import Plan, PlanError
+from .rules import (  # noqa: F401 (public)
     devices_visited,
     equal_size_plans,
     fits,
     paper_greedy_plan,
     stage_footprint,
 )
-from .partition_search import Search
-from .plan import Plan, PlanError
+from .search import Search
 from .sim.costs import CostModel, LayerCosts
 from .sim.roundpipe_schedule import steady_iteration_time
 

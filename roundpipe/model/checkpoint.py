@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from .cluster.comm import PeerFailure
+from ..cluster.comm import PeerFailure
 
 FORMAT = 1
 
@@ -50,7 +50,7 @@ class Checkpoints:
         """Wait for queued work, then write everything a run needs to continue: weights,
         masters (and accumulated gradients), the state of ``optimizer``,
         ``lr_scheduler`` and ``grad_scaler``, the RNG states, and ``extra`` (anything
-        JSON can hold, e.g. the data position). Atomic (see :mod:`roundpipe.checkpoint`)."""
+        JSON can hold, e.g. the data position). Atomic (see :mod:`roundpipe.model.checkpoint`)."""
         with self._session.enter("save_checkpoint") as session:
             session.check_open()
             session.synchronize()

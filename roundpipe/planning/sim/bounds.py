@@ -16,7 +16,7 @@ or more rounds):
 - **optimizer**: the asynchronous host optimizer runs one step at a time, so the
   steady state is at least its time per step;
 - **jobs** (:meth:`PlanBounds.tight`, about a millisecond): the schedule relaxed to three
-  times per job (:mod:`roundpipe.sim.job_bound`), run for many iterations. It sees what
+  times per job (:mod:`roundpipe.planning.sim.job_bound`), run for many iterations. It sees what
   the three above miss (a slow stage pacing the jobs after it, a short job whose device
   then waits for the wavefront, weight uploads longer than the job before them) and is
   within a few percent of the simulation on most plans.
@@ -30,7 +30,7 @@ from __future__ import annotations
 from functools import cached_property
 from itertools import accumulate
 
-from ..plan import Plan
+from ...core.plan import Plan
 from .costs import CostModel
 from .job_bound import JobCosts, relaxed_iteration_ends
 from .rounds import round_sizes

@@ -39,13 +39,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..core.plan import Plan
+from ..planning.partition import auto_plan
+from ..planning.sim.baselines import BASELINES, simulate_baseline
+from ..planning.sim.costs import CostModel, LayerCosts
+from ..planning.sim.roundpipe_schedule import steady_iteration_time
 from .gpus import PCIE_BANDWIDTH, Gpu
 from .model_specs import MODEL_PRESETS, ModelSpec, model_preset
-from .partition import auto_plan
-from .plan import Plan
-from .sim.baselines import BASELINES, simulate_baseline
-from .sim.costs import CostModel, LayerCosts
-from .sim.roundpipe_schedule import steady_iteration_time
 from .unit_costs import HALF, Kernels, UnitCost, embedding_cost, head_cost, layer_cost
 
 __all__ = ["MODEL_PRESETS", "ModelSpec", "Prediction", "Workload", "model_preset", "predict"]

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from heapq import heappop, heappush
 from typing import NamedTuple
 
-from ..timeline import Span
+from ...core.timeline import Span
 
 COMPUTE = "compute"
 H2D = "h2d"

@@ -2,7 +2,7 @@
 
 Scoring a plan needs only when each of a few iterations ends: no labels, no memory, no
 per-op timings. :func:`iteration_ends` gives exactly what the engine gives for
-:class:`~roundpipe.sim.rounds.Simulation`'s op graph (the same ops, durations and
+:class:`~roundpipe.planning.sim.rounds.Simulation`'s op graph (the same ops, durations and
 arithmetic, so the same floats), but walks the jobs in dispatch order with per-device
 clocks instead of building the graph and replaying it through a heap.
 
@@ -25,8 +25,8 @@ walked. A test compares the walk with the graph on random plans, costs and pools
 
 from __future__ import annotations
 
-from ..plan import Plan
-from ..program import plan_chunks
+from ...core.plan import Plan
+from ...core.program import plan_chunks
 from .costs import CostModel
 from .rounds import round_sizes
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 from bisect import bisect_right
 from itertools import accumulate
 
-from ..plan import Plan
+from ...core.plan import Plan
 from .costs import CostModel
 from .rounds import round_sizes
 

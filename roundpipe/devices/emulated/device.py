@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import (
+from ..base import (
     MAPPED_FILE_ATTR,
     RANDOM_KINDS,
     STREAM_NAMES,
@@ -44,11 +44,11 @@ from .base import (
     Timer,
     without_grad,
 )
-from .emulated_executor import DeviceExecutor
-from .emulated_link import CopyEngine, HostBus, Tickets, sleep_until
-from .emulated_memory import ComputeAllocations, DeviceMemory
-from .emulated_stream import RUNNING, EmulatedStream, HostEvent, WallClockTimer
-from .host_blocks import DEFAULT_CACHE_BYTES, HostBlockPool
+from ..host_blocks import DEFAULT_CACHE_BYTES, HostBlockPool
+from .executor import DeviceExecutor
+from .link import CopyEngine, HostBus, Tickets, sleep_until
+from .memory import ComputeAllocations, DeviceMemory
+from .stream import RUNNING, EmulatedStream, HostEvent, WallClockTimer
 
 # The CPU generator is one per process, so is the lock that makes "capture RNG
 # state, then draw from it" atomic across emulated devices (and across pools).

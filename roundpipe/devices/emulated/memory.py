@@ -28,7 +28,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from ..errors import format_bytes
+from ...errors import format_bytes
 
 
 def poison_value(dtype: torch.dtype) -> float | int | bool:

@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from ..timeline import Span, Timeline
+from ...core.timeline import Span, Timeline
 
 COMPUTE_KINDS = frozenset({"forward", "recompute", "backward", "fused"})
 _STARTS_FORWARD = frozenset({"forward", "fused"})

@@ -8,14 +8,14 @@ from typing import Any
 
 import torch
 
-from .config import RoundPipeRunConfig
-from .devices import Slot
-from .keys import Activation, InputGrad
-from .microbatch import merge_outputs
-from .runtime.call import Call
-from .runtime.deferred import attach_backward, check_backward_allowed
-from .runtime.sync import Handoff
-from .schedule import lower_unfused
+from ..core.config import RoundPipeRunConfig
+from ..core.keys import Activation, InputGrad
+from ..core.schedule import lower_unfused
+from ..devices import Slot
+from ..runtime.call import Call
+from ..runtime.deferred import attach_backward, check_backward_allowed
+from ..runtime.microbatch import merge_outputs
+from ..runtime.sync import Handoff
 
 
 class ModuleCall:

@@ -1,9 +1,9 @@
-"""The automatic planner's search (for :func:`roundpipe.partition.auto_plan`).
+"""The automatic planner's search (for :func:`roundpipe.planning.partition.auto_plan`).
 
 Candidates: greedy packing under a range of stage-time caps and fused-stage sizes, one
 layer per stage, the paper's rule, and every plan with stages of one size (a fused
 stage of ``f`` layers, every other stage of ``k``). Every candidate would be simulated
-if it could win; bounds decide which could (:mod:`roundpipe.sim.bounds`): a plan whose
+if it could win; bounds decide which could (:mod:`roundpipe.planning.sim.bounds`): a plan whose
 cheap bound (compute over N, the loss chain) is not below the best score so far is
 skipped unseen, then one whose job-level bound is not, and the rest are simulated in the
 order of that bound, so the first simulated are the likeliest winners. The result is
@@ -18,8 +18,8 @@ import math
 from collections.abc import Iterable, Iterator, Sequence
 from heapq import heappop, heappush
 
-from .partition_rules import equal_size, fits, pack, paper_greedy_plan, rebalance, stage_footprint
-from .plan import Plan
+from ..core.plan import Plan
+from .rules import equal_size, fits, pack, paper_greedy_plan, rebalance, stage_footprint
 from .sim.bounds import PlanBounds
 from .sim.costs import CostModel
 from .sim.roundpipe_schedule import steady_mean

@@ -1,7 +1,7 @@
 """Discrete-event simulation of RoundPipe and of weight-bound pipeline baselines.
 
 Pure logic: no threads, no devices, no torch. RoundPipe is simulated by replaying
-the runtime's own lowered schedule (``roundpipe.schedule.lower``) with a cost model.
+the runtime's own lowered schedule (``roundpipe.core.schedule.lower``) with a cost model.
 """
 
 from .baselines import BASELINES, balanced_partition, simulate_baseline

@@ -18,28 +18,28 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import cluster
+from .. import cluster
+from ..cluster import CommOptions
+from ..core.config import RoundPipeRunConfig, checked_run_config
+from ..core.keys import Loss, Output
+from ..core.plan import Plan
+from ..core.schedule import Schedule, lower
+from ..core.timeline import HOST, Span, Timeline
+from ..devices import DevicePool, EmulatedOptions, make_pool
+from ..hf.entry import FromHuggingFace
+from ..planning.planner import AutoPlanner
+from ..runtime import optimizer_guard
+from ..runtime.call import AutocastState, Call
+from ..runtime.inputs import own_and_split
+from ..runtime.layers import sequential_layers
+from ..runtime.lifetime import finalize_unclosed
+from ..runtime.microbatch import merge_outputs
+from ..runtime.profiler import LayerProfiler
+from ..runtime.session import Session
+from ..runtime.sync import wait_future
 from .checkpoint import Checkpoints
-from .cluster import CommOptions
-from .config import RoundPipeRunConfig, checked_run_config
-from .devices import DevicePool, EmulatedOptions, make_pool
-from .hf.entry import FromHuggingFace
-from .keys import Loss, Output
-from .microbatch import merge_outputs
 from .module_call import ModuleCall
 from .param_views import ParameterViews
-from .plan import Plan
-from .runtime import optimizer_guard
-from .runtime.call import AutocastState, Call
-from .runtime.inputs import own_and_split
-from .runtime.layers import sequential_layers
-from .runtime.lifetime import finalize_unclosed
-from .runtime.planner import AutoPlanner
-from .runtime.profiler import LayerProfiler
-from .runtime.session import Session
-from .runtime.sync import wait_future
-from .schedule import Schedule, lower
-from .timeline import HOST, Span, Timeline
 
 PIN_MODES = ("auto", "alloc", "register", "off")
 

@@ -25,10 +25,10 @@ import math
 import threading
 from collections.abc import Callable, Sequence
 
-from ..partition import auto_plan, fits, predict_iteration_time, should_replan
-from ..plan import Plan
-from ..sim.costs import CostModel
-from .profiler import LayerProfiler
+from ..core.plan import Plan
+from ..runtime.profiler import LayerProfiler
+from .partition import auto_plan, fits, predict_iteration_time, should_replan
+from .sim.costs import CostModel
 
 MIN_GAIN = 0.05
 """A new plan must be predicted at least this much faster to replace the current one."""

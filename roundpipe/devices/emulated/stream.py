@@ -25,12 +25,12 @@ from collections.abc import Callable
 from time import perf_counter as _now
 from typing import TYPE_CHECKING
 
-from .base import Event, OpInfo, Stream, Timer
+from ..base import Event, OpInfo, Stream, Timer
 
 if TYPE_CHECKING:
-    from .emulated import EmulatedDevice
-    from .emulated_executor import DeviceExecutor
-    from .emulated_link import CopyEngine
+    from .device import EmulatedDevice
+    from .executor import DeviceExecutor
+    from .link import CopyEngine
 
 
 class _RunningOp(threading.local):

@@ -1,13 +1,13 @@
 """Successive RoundPipe rounds and iterations as one op graph for the engine.
 
-Each job of a round contributes its program (``roundpipe.program.job_program``, the
+Each job of a round contributes its program (``roundpipe.core.program.job_program``, the
 one the runtime executes) with a duration per op from the cost model; this module
 adds what links programs: handoffs between jobs, a weight upload waiting for the job
 two back on its device (and, asynchronously, for the weights two steps back), the
 host dispatching a round once the previous round's last loss is known, and the host
 optimizer stepping a stage once its last gradients are home. Ops are numbered in the
-order they are added; the engine replays them as :class:`~roundpipe.sim.engine.OpArrays`.
-Labelled :class:`~roundpipe.sim.engine.Op` values (for timelines) and memory
+order they are added; the engine replays them as :class:`~roundpipe.planning.sim.engine.OpArrays`.
+Labelled :class:`~roundpipe.planning.sim.engine.Op` values (for timelines) and memory
 intervals are made only when ``record`` is set: scoring a plan needs neither.
 """
 
@@ -15,12 +15,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .. import program as P
-from ..keys import Activation, HandoffKey, Loss
-from ..plan import Plan
-from ..program import CallShape, DeviceOp, JobProgram, job_program, plan_chunks, recompute_inputs
-from ..schedule import Job, JobKind, Schedule, lower
-from ..timeline import HOST
+from ...core import program as P
+from ...core.keys import Activation, HandoffKey, Loss
+from ...core.plan import Plan
+from ...core.program import (
+    CallShape,
+    DeviceOp,
+    JobProgram,
+    job_program,
+    plan_chunks,
+    recompute_inputs,
+)
+from ...core.schedule import Job, JobKind, Schedule, lower
+from ...core.timeline import HOST
 from . import engine
 from .costs import CostModel
 from .engine import ACT_H2D, COMPUTE, D2H, H2D, OPTIMIZER, Dep, Op, OpArrays

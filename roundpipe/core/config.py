@@ -20,7 +20,7 @@ class RoundPipeRunConfig:
     """Options for running the pipeline; pass one to ``RoundPipe`` or to a single call.
 
     - ``num_microbatch``: microbatches per call; ``None`` means devices + 1.
-    - ``execute_plan``: a :class:`~roundpipe.plan.Plan` (or its string form
+    - ``execute_plan``: a :class:`~roundpipe.core.plan.Plan` (or its string form
       ``"3,3|1,1,1,1,1,1"``) to pin; ``None`` uses the automatic plan.
     - ``recompute_grain``: ``"stage"`` saves each backward stage's input and
       recomputes the stage; ``"layer"`` saves every layer's input.

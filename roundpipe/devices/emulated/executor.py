@@ -33,10 +33,10 @@ from collections.abc import Sequence
 from time import perf_counter, thread_time
 from typing import TYPE_CHECKING
 
-from .emulated_stream import RUNNING, EmulatedEvent, EmulatedStream, QueuedOp
+from .stream import RUNNING, EmulatedEvent, EmulatedStream, QueuedOp
 
 if TYPE_CHECKING:
-    from .emulated import EmulatedDevice
+    from .device import EmulatedDevice
 
 # What one look at the streams found to do: ops that ended (with their stream and its
 # error then), events of satisfied waits (with their error and time), an op to start.

@@ -1,6 +1,6 @@
 """Simulate RoundPipe by replaying the runtime's own lowered schedule.
 
-One *round* is one ``roundpipe.schedule.lower(plan, N, cursor)`` job list run over
+One *round* is one ``roundpipe.core.schedule.lower(plan, N, cursor)`` job list run over
 ``R`` microbatches (default ``R = N``), exactly like one ``forward_backward`` call;
 the next round continues the round-robin cursor. An iteration is as many rounds as
 it takes to cover its microbatches, followed by the host optimizer step.
@@ -28,9 +28,9 @@ from __future__ import annotations
 import gc
 from contextlib import contextmanager
 
-from ..plan import Plan
-from ..schedule import Schedule, lower
-from ..timeline import Timeline
+from ...core.plan import Plan
+from ...core.schedule import Schedule, lower
+from ...core.timeline import Timeline
 from . import engine, walk
 from .bounds import PlanBounds
 from .costs import CostModel
@@ -137,7 +137,7 @@ def steady_mean(
     stages: dict | None = None,
 ) -> float:
     """The mean simulated iteration after the warm-up ones (``stages``: a cache for
-    :func:`roundpipe.sim.walk.stages_of`)."""
+    :func:`roundpipe.planning.sim.walk.stages_of`)."""
     warm, measured = WARMUP_ITERATIONS, MEASURED_ITERATIONS
     ends = iteration_ends(
         plan, costs, num_devices, num_microbatches, warm + measured, round_size, is_async, stages
@@ -157,7 +157,7 @@ def iteration_ends(
 ) -> list[float]:
     """When the last compute op of each of ``iterations`` iterations ends, with one more
     iteration following (a run's last iteration is not in steady state: nothing
-    prefetches behind it). Walked job by job (:mod:`roundpipe.sim.walk`), or replayed as
+    prefetches behind it). Walked job by job (:mod:`roundpipe.planning.sim.walk`), or replayed as
     an op graph where the walk cannot tell."""
     try:
         return walk.iteration_ends(

@@ -1,4 +1,4 @@
-"""How candidate plans are built, and which fit in memory (for :mod:`roundpipe.partition`).
+"""How candidate plans are built, and which fit in memory (for :mod:`roundpipe.planning.partition`).
 
 Greedy packing of contiguous layers under a stage-time and a memory cap, the paper's
 rule (stages under 1.1x the slowest layer), plans with stages of one size, and the
@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator, Sequence
 
-from .plan import Plan
+from ..core.plan import Plan
 from .sim.baselines import balanced_partition
 from .sim.costs import CostModel, LayerCosts
 

@@ -31,10 +31,10 @@ import math
 import re
 from dataclasses import dataclass, replace
 
+from ..planning.sim.roundpipe_schedule import simulate_roundpipe
 from .gpus import Gpu
 from .model_specs import ModelSpec
-from .predict import ADAM_BYTES, Prediction, Workload, _Model, cost_model, predict, roundpipe_plan
-from .sim.roundpipe_schedule import simulate_roundpipe
+from .models import ADAM_BYTES, Prediction, Workload, _Model, cost_model, predict, roundpipe_plan
 from .unit_costs import HALF
 
 BUCKET_BYTES = 25 * 2**20

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from ..plan import stage_ranges
-from ..timeline import Timeline
+from ...core.plan import stage_ranges
+from ...core.timeline import Timeline
 from . import engine
 from .costs import CostModel
 from .engine import COMPUTE, Dep, Op

@@ -1,0 +1,1 @@
+"""Model-level predictions: model shapes, GPU presets, unit costs, several nodes."""
