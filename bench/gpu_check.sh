@@ -9,7 +9,7 @@ cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 nvidia-smi --query-gpu=name,memory.total --format=csv
 python3 -c "import sys, torch; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda)"
-timeout 420 python3 -m pytest -q -m cuda tests/test_cuda.py tests/test_issue7_host_pool.py \
+timeout 420 python3 -m pytest -q -m cuda tests/test_cuda.py tests/test_host_block_pool.py \
     -p no:cacheprovider -o addopts=""
 status=$?
 timeout 120 python3 bench/gpu_probe.py --devices cuda:0,0,0 --steps 12

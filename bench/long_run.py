@@ -1,4 +1,4 @@
-"""Does a long run without ``synchronize()`` slow down? (issue 6, item 12)
+"""Does a long run without ``synchronize()`` slow down?
 
 Trains a tiny model for many async steps on emulated devices and prints the mean
 time per iteration of each block of steps; bookkeeping that grows with the number of

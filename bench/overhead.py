@@ -1,4 +1,4 @@
-"""RoundPipe's overhead on one emulated device against plain PyTorch (issue 2).
+"""RoundPipe's overhead on one emulated device against plain PyTorch.
 
 Both sides train the same model on the same CPU over the same microbatches, with
 one optimizer step per iteration:

@@ -1,4 +1,4 @@
-"""How fast the automatic planner is, and how good its plans are (the planner issue).
+"""How fast the automatic planner is, and how good its plans are.
 
 Speed: ``auto_plan`` on deep uniform models (a 32B-like layer: 20 ms forward per
 microbatch, 975 MB of weights over a 25 GB/s link) for 64 and 200 layers on 8

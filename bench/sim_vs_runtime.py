@@ -1,4 +1,4 @@
-"""Does the runtime achieve the schedule the simulator predicts? (issue 3)
+"""Does the runtime achieve the schedule the simulator predicts?
 
 Emulated devices get a timing model: every compute op sleeps for modelled kernel
 time (per-layer forward / recompute / backward seconds), and weight uploads and

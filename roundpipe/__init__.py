@@ -1,8 +1,8 @@
 """roundpipe: fine-tune large models on a few consumer GPUs with round-robin pipelines.
 
 All training state lives in host memory; stage jobs are dispatched round-robin to
-a pool of stateless devices (see DESIGN.md). Importing this package starts no
-thread and touches no device.
+a pool of stateless devices (docs/design.md#stateless-devices). This is the public
+face; importing it starts no thread and touches no device.
 """
 
 from .cluster import CommOptions, PeerFailure
@@ -11,6 +11,8 @@ from .core.plan import Plan, PlanError
 from .core.schedule import Job, JobKind, Schedule, lower
 from .devices import DevicePool, EmulatedDevicePool, EmulatedOptions, OpInfo, make_pool
 from .errors import RoundPipeError
+from .hf.loading import from_pretrained
+from .hf.pipe import HFRoundPipe, from_hf
 from .model import RoundPipe
 
 __all__ = [
@@ -18,6 +20,7 @@ __all__ = [
     "DevicePool",
     "EmulatedDevicePool",
     "EmulatedOptions",
+    "HFRoundPipe",
     "Job",
     "JobKind",
     "OpInfo",
@@ -28,6 +31,8 @@ __all__ = [
     "RoundPipeError",
     "RoundPipeRunConfig",
     "Schedule",
+    "from_hf",
+    "from_pretrained",
     "lower",
     "make_pool",
 ]

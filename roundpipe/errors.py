@@ -1,4 +1,5 @@
-"""Errors raised to the caller, naming where in the pipeline something failed."""
+"""Errors raised to the caller, naming where in the pipeline something failed
+(docs/design.md#errors)."""
 
 from __future__ import annotations
 

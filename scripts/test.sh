@@ -3,4 +3,5 @@
 source "$(dirname "$0")/_venv.sh" dev
 .venv/bin/ruff check roundpipe tests examples bench
 .venv/bin/ruff format --check roundpipe tests examples bench
+.venv/bin/lint-imports --no-cache  # the layering of docs/design.md#layers, and no import cycles
 exec .venv/bin/python -m pytest -q "$@"

@@ -1,4 +1,5 @@
-"""Fixtures shared by the runtime tests: a hang guard, auto-closed models, the PyTorch oracle."""
+"""Fixtures shared by the runtime tests: a hang guard, auto-closed models, the PyTorch
+oracle, and the six-layer model with a faulty layer (``support/faults.py``)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ from typing import Any
 
 import pytest
 import torch
-from oracle import (
+from support import faults
+from support.oracle import (
     assert_grads_close,
     assert_weights_close,
     batch,
@@ -18,7 +20,7 @@ from oracle import (
 )
 from torch import nn
 
-from roundpipe import RoundPipe
+from roundpipe import RoundPipe, RoundPipeRunConfig
 
 HANG_LIMIT_S = 30.0
 
@@ -105,3 +107,19 @@ def trains_like_pytorch(no_hang) -> Callable[[RoundPipe, nn.Module], None]:
         assert_grads_close(model.model, expected)
 
     return check
+
+
+@pytest.fixture
+def faulty(wrap) -> Callable[..., tuple[RoundPipe, nn.Module, faults.FaultSwitch]]:
+    """``faulty(position, config=faults.CONFIG, **options)`` -> (model, reference, switch).
+
+    The six-layer model of ``support/faults.py``, its faulty layer at ``position``, on
+    three emulated devices; closed when the test ends (see ``wrap``).
+    """
+
+    def build(position: int, config: RoundPipeRunConfig = faults.CONFIG, **options: Any):
+        module, switch = faults.faulty_sequential(position)
+        model, reference = wrap(module, devices="emulated:3", model_run_config=config, **options)
+        return model, reference, switch
+
+    return build

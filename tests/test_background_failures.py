@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from oracle import batch, mlp, mse_sum
+from support.oracle import batch, mlp, mse_sum
 from torch import nn
 
 from roundpipe import RoundPipe, RoundPipeRunConfig

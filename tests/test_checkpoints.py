@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
-from oracle import batch, mse_sum
+from support.oracle import batch, mse_sum
 from torch import nn
 
 from roundpipe import RoundPipe, RoundPipeRunConfig
@@ -115,10 +116,10 @@ def test_a_save_killed_with_sigkill_leaves_a_loadable_checkpoint(tmp_path, delay
     import signal
     import time
 
-    from children.harness import start_child
+    from support.children.harness import CHILDREN, start_child
 
     path = tmp_path / "ckpt"
-    child = start_child(["children/save_forever.py", str(path)])
+    child = start_child([os.path.join(CHILDREN, "save_forever.py"), str(path)])
     try:
         assert child.stdout.readline().strip() == "SAVED 1", child.stderr.read()
         time.sleep(delay)  # somewhere in the middle of a later save

@@ -6,7 +6,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from oracle import mlp
+from support.oracle import mlp
 
 from roundpipe import CommOptions, RoundPipe
 from roundpipe.cluster import choose_backend

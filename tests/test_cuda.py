@@ -10,7 +10,7 @@ import copy
 
 import pytest
 import torch
-from oracle import (
+from support.oracle import (
     assert_grads_close,
     batch,
     mlp,

@@ -1,8 +1,9 @@
 """Every CUDA event the backend creates is a blocking one, checked without a GPU.
 
 A host thread waiting on a non-blocking CUDA event spins a core at 100%, competing with
-the host optimizer and the issue threads (DESIGN.md §9). ``torch.cuda.Event`` is
-replaced by a recorder, so the backend's event-making code runs on this machine too.
+the host optimizer and the issue threads (``docs/design.md``, the CUDA backend).
+``torch.cuda.Event`` is replaced by a recorder, so the backend's event-making code runs
+on this machine too.
 """
 
 from __future__ import annotations

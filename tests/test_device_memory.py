@@ -11,7 +11,7 @@ import time
 
 import pytest
 import torch
-from oracle import mse_sum
+from support.oracle import mse_sum
 from torch import nn
 
 from roundpipe import EmulatedOptions, RoundPipe, RoundPipeRunConfig

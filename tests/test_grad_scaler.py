@@ -12,7 +12,7 @@ import copy
 
 import pytest
 import torch
-from oracle import assert_weights_close, batch, mlp, mse_sum
+from support.oracle import assert_weights_close, batch, mlp, mse_sum
 
 from roundpipe import RoundPipe, RoundPipeRunConfig
 
@@ -71,7 +71,7 @@ def test_returned_loss_is_unscaled():
 
 
 def test_async_steps_with_a_grad_scaler_match_the_stale_reference():
-    from oracle import train_reference
+    from support.oracle import train_reference
 
     def sgd(params):
         return torch.optim.SGD(params, lr=0.01)

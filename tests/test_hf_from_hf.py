@@ -1,4 +1,4 @@
-"""``RoundPipe.from_hf`` against the Hugging Face model itself (fp32, tiny configs).
+"""``roundpipe.from_hf`` against the Hugging Face model itself (fp32, tiny configs).
 
 The oracle is ``model(**batch).loss`` and its gradients for the whole batch: the mean
 over every label token, whatever the microbatch split, the padding side or the device
@@ -14,7 +14,8 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from roundpipe import RoundPipe, RoundPipeRunConfig  # noqa: E402
+import roundpipe  # noqa: E402
+from roundpipe import RoundPipeRunConfig  # noqa: E402
 
 VOCAB = 64
 COMMON = dict(
@@ -118,7 +119,7 @@ def test_loss_and_gradients_equal_the_hugging_face_model(family, devices, microb
     batch = padded_batch(side=side)
     want, want_grads = hf_loss_and_grads(model, batch)
     config = RoundPipeRunConfig(num_microbatch=microbatches)  # 5 rows do not divide evenly
-    with RoundPipe.from_hf(model, devices=f"emulated:{devices}", model_run_config=config) as pipe:
+    with roundpipe.from_hf(model, devices=f"emulated:{devices}", model_run_config=config) as pipe:
         loss = pipe.forward_backward(input_kwargs=batch)
         pipe.synchronize()
     torch.testing.assert_close(loss.detach(), want, rtol=1e-5, atol=1e-6)
@@ -134,7 +135,7 @@ def test_inference_returns_the_models_logits(family):
     with torch.no_grad():
         want = model(**batch).logits
     with (
-        RoundPipe.from_hf(model, devices="emulated:2") as pipe,
+        roundpipe.from_hf(model, devices="emulated:2") as pipe,
         torch.no_grad(),
     ):
         got = pipe(**batch)
@@ -148,7 +149,7 @@ def test_eval_loss_is_the_models_loss_without_gradients(rows):
     batch = {k: v[:rows] for k, v in padded_batch(side="left").items()}
     with torch.no_grad():
         want = model(**batch).loss
-    with RoundPipe.from_hf(model, devices="emulated:2") as pipe:
+    with roundpipe.from_hf(model, devices="emulated:2") as pipe:
         pipe.model[-1].chunk_tokens = 7
         got = pipe.eval_loss(batch)
         pipe.synchronize()
@@ -160,7 +161,7 @@ def test_parameters_keep_the_models_names_and_train_in_place():
     model = build("llama")
     reference = copy.deepcopy(model)
     batches = [padded_batch(seed=s) for s in range(3)]
-    with RoundPipe.from_hf(model, devices="emulated:2") as pipe:
+    with roundpipe.from_hf(model, devices="emulated:2") as pipe:
         names = [name for name, _ in pipe.optim_named_parameters()]
         assert names == [name for name, _ in model.named_parameters()]
         train_both(pipe, reference, batches, lr=1e-2)
@@ -175,7 +176,7 @@ def test_the_loss_is_computed_in_chunks_of_tokens():
     model = build("llama")
     batch = padded_batch()
     want, _ = hf_loss_and_grads(model, batch)
-    with RoundPipe.from_hf(model, devices="emulated:1") as pipe:
+    with roundpipe.from_hf(model, devices="emulated:1") as pipe:
         head = pipe.model[-1]
         assert isinstance(head, HeadLayer)
         head.chunk_tokens = 7  # 45 shifted tokens: seven chunks, the last one short
@@ -198,7 +199,7 @@ def test_bad_batches_are_refused_before_any_work(change, message):
     batch = padded_batch()
     change(batch)
     with (
-        RoundPipe.from_hf(build("llama"), devices="emulated:1") as pipe,
+        roundpipe.from_hf(build("llama"), devices="emulated:1") as pipe,
         pytest.raises(ValueError, match=message),
     ):
         pipe.forward_backward(input_kwargs=batch)
@@ -224,8 +225,8 @@ def test_the_router_auxiliary_loss_is_weighted_by_label_tokens(family, microbatc
         want = want + reference(**{k: v[rows] for k, v in batch.items()}).loss * count / sum(counts)
     want.backward()
     config = RoundPipeRunConfig(num_microbatch=microbatches)
-    RoundPipe.from_hf(model, devices="emulated:1").close()  # wrapping twice hooks once
-    with RoundPipe.from_hf(model, devices="emulated:2", model_run_config=config) as pipe:
+    roundpipe.from_hf(model, devices="emulated:1").close()  # wrapping twice hooks once
+    with roundpipe.from_hf(model, devices="emulated:2", model_run_config=config) as pipe:
         loss = pipe.forward_backward(input_kwargs=batch)
         pipe.synchronize()
     torch.testing.assert_close(loss.detach(), want.detach(), rtol=1e-5, atol=1e-6)
@@ -238,13 +239,13 @@ def test_the_router_auxiliary_loss_is_weighted_by_label_tokens(family, microbatc
 def test_an_unsupported_model_names_the_supported_families():
     config = transformers.GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=VOCAB)
     with pytest.raises(ValueError, match=r"Llama \(llama\).*Qwen3 \(qwen3\)"):
-        RoundPipe.from_hf(transformers.GPT2LMHeadModel(config), devices="emulated:1")
+        roundpipe.from_hf(transformers.GPT2LMHeadModel(config), devices="emulated:1")
 
 
 def test_save_pretrained_writes_what_transformers_loads(tmp_path):
     model = build("qwen3")
     batch = padded_batch()
-    with RoundPipe.from_hf(model, devices="emulated:2") as pipe:
+    with roundpipe.from_hf(model, devices="emulated:2") as pipe:
         optimizer = torch.optim.AdamW(pipe.optim_parameters(), lr=1e-2)
         pipe.forward_backward(input_kwargs=batch)
         pipe.step(lambda: (optimizer.step(), optimizer.zero_grad()))  # async: saving waits
@@ -271,7 +272,7 @@ def test_lora_trains_like_peft_and_saves_an_adapter_peft_loads(tmp_path):
     model = lora(build("llama"))
     reference = copy.deepcopy(model)
     batches = [padded_batch(seed=s, side="left") for s in range(3)]
-    with RoundPipe.from_hf(model, devices="emulated:2") as pipe:
+    with roundpipe.from_hf(model, devices="emulated:2") as pipe:
         trainable = [n for n, p in model.named_parameters() if p.requires_grad]
         assert [n for n, _ in pipe.optim_named_parameters()] == trainable  # no base masters
         train_both(pipe, reference, batches)
@@ -291,12 +292,12 @@ def test_from_pretrained_loads_a_local_directory_with_or_without_lora(tmp_path):
     model.save_pretrained(tmp_path)
     batch = padded_batch()
     want, _ = hf_loss_and_grads(model, batch)
-    with RoundPipe.from_pretrained(
+    with roundpipe.from_pretrained(
         tmp_path, torch_dtype=torch.float32, devices="emulated:2"
     ) as pipe:
         torch.testing.assert_close(pipe.forward_backward(input_kwargs=batch).detach(), want)
     config = peft.LoraConfig(r=2, target_modules=["q_proj"])
-    with RoundPipe.from_pretrained(
+    with roundpipe.from_pretrained(
         tmp_path, torch_dtype=torch.float32, lora=config, devices="emulated:2"
     ) as pipe:
         names = [name for name, _ in pipe.optim_named_parameters()]
@@ -304,21 +305,21 @@ def test_from_pretrained_loads_a_local_directory_with_or_without_lora(tmp_path):
         # lora_B starts at zero: the adapted model computes the base model's loss
         torch.testing.assert_close(pipe.forward_backward(input_kwargs=batch).detach(), want)
     with pytest.raises(FileNotFoundError, match="no config.json"):
-        RoundPipe.from_pretrained(tmp_path / "missing", devices="emulated:1")
+        roundpipe.from_pretrained(tmp_path / "missing", devices="emulated:1")
 
 
 def test_a_bf16_model_with_fp32_masters_trains_like_fp32():
     model = build("llama")
     reference = copy.deepcopy(model)
     batches = [padded_batch(seed=s) for s in range(3)]
-    with RoundPipe.from_hf(model.to(torch.bfloat16), devices="emulated:2") as pipe:
+    with roundpipe.from_hf(model.to(torch.bfloat16), devices="emulated:2") as pipe:
         assert all(p.dtype == torch.float32 for p in pipe.optim_parameters())
         train_both(pipe, reference, batches, rtol=2e-2, atol=0)
 
 
 def test_a_checkpoint_restores_a_hugging_face_run(tmp_path):
     batches = [padded_batch(seed=s) for s in range(3)]
-    with RoundPipe.from_hf(build("qwen3"), devices="emulated:2") as pipe:
+    with roundpipe.from_hf(build("qwen3"), devices="emulated:2") as pipe:
         optimizer = torch.optim.AdamW(pipe.optim_parameters(), lr=1e-2)
         pipe.forward_backward(input_kwargs=batches[0])
         pipe.step(lambda: (optimizer.step(), optimizer.zero_grad()))
@@ -326,7 +327,7 @@ def test_a_checkpoint_restores_a_hugging_face_run(tmp_path):
         want = [float(pipe.forward_backward(input_kwargs=b)) for b in batches[1:]]
     torch.manual_seed(5)
     fresh = transformers.Qwen3ForCausalLM(build("qwen3").config)  # other weights
-    with RoundPipe.from_hf(fresh, devices="emulated:2") as pipe:
+    with roundpipe.from_hf(fresh, devices="emulated:2") as pipe:
         optimizer = torch.optim.AdamW(pipe.optim_parameters(), lr=1e-2)
         assert pipe.load_checkpoint(tmp_path / "c", optimizer) == {"next": 1}
         got = [float(pipe.forward_backward(input_kwargs=b)) for b in batches[1:]]
@@ -338,7 +339,7 @@ def test_a_lora_checkpoint_holds_the_adapters_not_the_base(tmp_path):
     from safetensors import safe_open
 
     batches = [padded_batch(seed=s) for s in range(3)]
-    with RoundPipe.from_hf(lora(build("llama")), devices="emulated:2") as pipe:
+    with roundpipe.from_hf(lora(build("llama")), devices="emulated:2") as pipe:
         optimizer = torch.optim.AdamW(pipe.optim_parameters(), lr=1e-2)
         pipe.forward_backward(input_kwargs=batches[0])
         pipe.step(lambda: (optimizer.step(), optimizer.zero_grad()))
@@ -347,14 +348,14 @@ def test_a_lora_checkpoint_holds_the_adapters_not_the_base(tmp_path):
     with safe_open(tmp_path / "c" / "weights.safetensors", "pt") as file:
         saved = {key.split("/")[0] for key in file.keys() if "lora_" not in key}  # noqa: SIM118
     assert saved == {"frozen", "buffer"}  # the base weights are only fingerprinted
-    with RoundPipe.from_hf(lora(build("llama")), devices="emulated:2") as pipe:
+    with roundpipe.from_hf(lora(build("llama")), devices="emulated:2") as pipe:
         optimizer = torch.optim.AdamW(pipe.optim_parameters(), lr=1e-2)
         pipe.load_checkpoint(tmp_path / "c", optimizer)
         got = [float(pipe.forward_backward(input_kwargs=b)) for b in batches[1:]]
     assert got == want
     torch.manual_seed(5)
     other_base = lora(transformers.LlamaForCausalLM(build("llama").config))
-    pipe = RoundPipe.from_hf(other_base, devices="emulated:1")
+    pipe = roundpipe.from_hf(other_base, devices="emulated:1")
     with pipe, pytest.raises(ValueError, match="frozen parameter"):
         pipe.load_checkpoint(tmp_path / "c")
 
@@ -364,7 +365,7 @@ def test_an_fp16_model_trains_with_a_grad_scaler():
     reference = copy.deepcopy(model)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
     batches = [padded_batch(seed=s) for s in range(3)]
-    with RoundPipe.from_hf(model.half(), devices="emulated:2", grad_scaler=scaler) as pipe:
+    with roundpipe.from_hf(model.half(), devices="emulated:2", grad_scaler=scaler) as pipe:
         train_both(pipe, reference, batches, rtol=2e-2, atol=0, scaler=scaler)
     assert scaler.get_scale() == 2.0**10  # no overflow: every step was taken
 
@@ -386,7 +387,7 @@ def test_the_head_never_holds_the_logits_of_more_than_one_chunk(monkeypatch):
     model = build("llama")
     batch = padded_batch(rows=4, length=16)  # 60 shifted tokens
     want, _ = hf_loss_and_grads(model, batch)
-    with RoundPipe.from_hf(model, devices="emulated:1") as pipe:
+    with roundpipe.from_hf(model, devices="emulated:1") as pipe:
         pipe.model[-1].chunk_tokens = 8
         loss = pipe.forward_backward(input_kwargs=batch)
     torch.testing.assert_close(loss.detach(), want, rtol=1e-5, atol=1e-6)

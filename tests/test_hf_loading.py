@@ -1,4 +1,4 @@
-"""``RoundPipe.from_pretrained``: streaming safetensors loading and the memory-mapped LoRA base.
+"""``roundpipe.from_pretrained``: streaming safetensors loading and the memory-mapped LoRA base.
 
 Oracles: ``transformers.AutoModelForCausalLM.from_pretrained`` (every parameter and
 buffer, tying, dtype conversion, logits), ``peft`` (an adapter saved by the pipe
@@ -10,15 +10,16 @@ processes, the peak host memory of loading a generated ~1.5 GB checkpoint.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
 import pytest
 import torch
-from children.harness import finish_child, start_child
 from safetensors.torch import load_file, save_file
+from support.children.harness import CHILDREN, finish_child, start_child
 
-from roundpipe import RoundPipe
+import roundpipe
 from roundpipe.devices.cuda import CudaDevicePool
 from roundpipe.hf.safetensors_io import CheckpointError, FileMappings, read_header
 
@@ -64,7 +65,7 @@ def test_the_streamed_model_equals_transformers_from_pretrained(tmp_path, family
     if sharded:
         assert (directory / "model.safetensors.index.json").is_file()
     want = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=dtype)
-    with RoundPipe.from_pretrained(directory, torch_dtype=dtype, devices="emulated:2") as pipe:
+    with roundpipe.from_pretrained(directory, torch_dtype=dtype, devices="emulated:2") as pipe:
         got = pipe.hf_model
         want_tensors, got_tensors = all_tensors(want), all_tensors(got)
         assert list(got_tensors) == list(want_tensors)
@@ -102,7 +103,7 @@ def test_lora_base_weights_are_copy_on_write_views_of_the_checkpoint_files(tmp_p
     files = {str(p.resolve()) for p in directory.glob("*.safetensors")}
     before = checkpoint_bytes(directory)
     lora = peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"])
-    pipe = RoundPipe.from_pretrained(
+    pipe = roundpipe.from_pretrained(
         directory, torch_dtype=torch.float32, lora=lora, devices="emulated:2"
     )
     with pipe:
@@ -125,7 +126,7 @@ def test_lora_base_weights_are_copy_on_write_views_of_the_checkpoint_files(tmp_p
 def test_lora_base_weights_stored_in_another_dtype_are_converted_copies(tmp_path):
     directory = saved(build("llama"), tmp_path)  # fp32 files, a bf16 model
     lora = peft.LoraConfig(r=4, target_modules=["q_proj"])
-    with RoundPipe.from_pretrained(
+    with roundpipe.from_pretrained(
         directory, torch_dtype=torch.bfloat16, lora=lora, devices="emulated:1"
     ) as pipe:
         base = pipe.hf_model.get_base_model()
@@ -140,7 +141,7 @@ def test_lora_adapters_train_and_save_an_adapter_peft_reloads(tmp_path):
     directory = saved(build("qwen3"), tmp_path / "base")
     lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
     batch = {**ids_and_mask(), "labels": ids_and_mask()["input_ids"]}
-    with RoundPipe.from_pretrained(
+    with roundpipe.from_pretrained(
         directory, torch_dtype=torch.float32, lora=lora, devices="emulated:2"
     ) as pipe:
         optimizer = torch.optim.AdamW(pipe.optim_parameters(), lr=2e-2)
@@ -221,7 +222,7 @@ def test_a_damaged_checkpoint_is_refused_naming_the_file_and_tensor(tmp_path, da
     directory = saved(build("llama"), tmp_path)
     damage(directory)
     with pytest.raises(CheckpointError, match=message):
-        RoundPipe.from_pretrained(directory, devices="emulated:1")
+        roundpipe.from_pretrained(directory, devices="emulated:1")
 
 
 def test_a_missing_shard_is_named(tmp_path):
@@ -229,7 +230,7 @@ def test_a_missing_shard_is_named(tmp_path):
     shard = sorted(directory.glob("model-*.safetensors"))[1]
     shard.unlink()
     with pytest.raises(CheckpointError, match=f"names the shard {shard.name}, which is missing"):
-        RoundPipe.from_pretrained(directory, devices="emulated:1")
+        roundpipe.from_pretrained(directory, devices="emulated:1")
 
 
 def test_an_unsupported_model_is_refused_before_its_weights_are_read(tmp_path):
@@ -237,7 +238,7 @@ def test_an_unsupported_model_is_refused_before_its_weights_are_read(tmp_path):
     transformers.GPT2LMHeadModel(config).save_pretrained(tmp_path)
     (tmp_path / "model.safetensors").write_bytes(b"not read")
     with pytest.raises(ValueError, match=r"Llama \(llama\)"):
-        RoundPipe.from_pretrained(tmp_path, devices="emulated:1")
+        roundpipe.from_pretrained(tmp_path, devices="emulated:1")
 
 
 def run_child(args: list[str], limit_s: float) -> dict:
@@ -283,10 +284,12 @@ def test_loading_a_1_5_gb_checkpoint_stays_within_its_host_memory_bounds(tmp_pat
 def measure_loading(directory: Path) -> tuple[dict, dict, int]:
     """Generate the checkpoint, then measure the full and the LoRA load in two fresh
     processes at once (each reports its own peak)."""
-    weight_bytes = run_child(["children/hf_load_generate.py", str(directory)], 120)
-    full = start_child(["children/hf_load_measure.py", "full", str(directory)])
+    generate = os.path.join(CHILDREN, "hf_load_generate.py")
+    measure = os.path.join(CHILDREN, "hf_load_measure.py")
+    weight_bytes = run_child([generate, str(directory)], 120)
+    full = start_child([measure, "full", str(directory)])
     try:
-        lora = run_child(["children/hf_load_measure.py", "lora", str(directory)], 180)
+        lora = run_child([measure, "lora", str(directory)], 180)
     finally:
         full_result = finish_child(full, 180)
     return child_result(*full_result, "full load"), lora, weight_bytes["weight_bytes"]

@@ -13,7 +13,8 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from roundpipe import EmulatedOptions, RoundPipe  # noqa: E402
+import roundpipe  # noqa: E402
+from roundpipe import EmulatedOptions  # noqa: E402
 
 VOCAB, TOKENS = 4096, 2 * 512
 LOGITS_BYTES = (TOKENS - 2) * VOCAB * 4  # fp32 logits of every shifted token: 16.7 MB
@@ -44,7 +45,7 @@ def run(chunk_tokens: int):
     with torch.no_grad():
         want = hf(**batch()).loss
     options = EmulatedOptions(capacity_bytes=CAPACITY)
-    with RoundPipe.from_hf(hf, devices="emulated:1", emulated_options=options) as pipe:
+    with roundpipe.from_hf(hf, devices="emulated:1", emulated_options=options) as pipe:
         pipe.model[-1].chunk_tokens = chunk_tokens
         loss = pipe.forward_backward(input_kwargs=batch())
         pipe.synchronize()

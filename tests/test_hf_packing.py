@@ -14,7 +14,8 @@ pytest.importorskip("transformers")
 
 from test_hf_from_hf import VOCAB, build, hf_loss_and_grads  # noqa: E402
 
-from roundpipe import RoundPipe, RoundPipeRunConfig  # noqa: E402
+import roundpipe  # noqa: E402
+from roundpipe import RoundPipeRunConfig  # noqa: E402
 
 LENGTHS = [(4, 7, 5), (9, 7), (3, 3, 3, 3, 4)]  # three windows of 16 tokens
 
@@ -41,7 +42,7 @@ def test_packed_batches_equal_the_hugging_face_model(family):
     # transformers then ignores packing (attention crosses the examples).
     want, want_grads = hf_loss_and_grads(model, batch, use_cache=False)
     config = RoundPipeRunConfig(num_microbatch=2)
-    with RoundPipe.from_hf(model, devices="emulated:2", model_run_config=config) as pipe:
+    with roundpipe.from_hf(model, devices="emulated:2", model_run_config=config) as pipe:
         loss = pipe.forward_backward(input_kwargs=batch)
         pipe.synchronize()
     torch.testing.assert_close(loss.detach(), want, rtol=1e-5, atol=1e-6)
@@ -55,7 +56,7 @@ def test_packed_batches_equal_the_hugging_face_model(family):
 def test_a_packed_example_sees_only_itself(family):
     model = build(family)
     batch = packed_batch()
-    with RoundPipe.from_hf(model, devices="emulated:2") as pipe, torch.no_grad():
+    with roundpipe.from_hf(model, devices="emulated:2") as pipe, torch.no_grad():
         packed = pipe(input_ids=batch["input_ids"], position_ids=batch["position_ids"])
     for row, lengths in enumerate(LENGTHS):
         start = 0
@@ -84,6 +85,6 @@ def test_a_packed_example_sees_only_itself(family):
 def test_bad_position_ids_are_refused(change, message):
     batch = packed_batch()
     change(batch)
-    pipe = RoundPipe.from_hf(build("llama"), devices="emulated:1")
+    pipe = roundpipe.from_hf(build("llama"), devices="emulated:1")
     with pipe, pytest.raises(ValueError, match=message):
         pipe.forward_backward(input_kwargs=batch)

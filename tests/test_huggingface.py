@@ -7,7 +7,7 @@ import copy
 
 import pytest
 import torch
-from oracle import assert_weights_close
+from support.oracle import assert_weights_close
 from torch import nn
 
 transformers = pytest.importorskip("transformers")

@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 import pytest
 import torch
-from oracle import assert_grads_close, batch, mlp, mse_sum, reference_loss_and_grads
+from support.oracle import assert_grads_close, batch, mlp, mse_sum, reference_loss_and_grads
 from torch import nn
 
 from roundpipe import EmulatedOptions, OpInfo, RoundPipe, RoundPipeRunConfig

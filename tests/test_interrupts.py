@@ -1,19 +1,20 @@
 """Ctrl-C anywhere in a public method never hangs the model and never breaks exactness.
 
-Two attacks (issue 6, item 8), each in child processes, so that Ctrl-C is taken on
-the main thread as in a real program, and a model left hung cannot hang pytest:
+Two attacks, each in child processes, so that Ctrl-C is taken on the main thread as in
+a real program, and a model left hung cannot hang pytest:
 
-* ``children/trace_injection.py METHOD``: a trace hook simulates a SIGINT arriving at
-  each line event of the caller-side orchestration (``roundpipe/model.py`` and
-  ``roundpipe/runtime/*``) while METHOD runs, once per run, on one model. After each
-  run: the method returned or raised KeyboardInterrupt within seconds,
-  ``synchronize()`` returns without an error, and the model is consistent and exact
-  (``children/harness.py: assert_consistent``). For ``close()``: called again after
-  an interrupted one, it returns and stops every thread. Mode ``raise`` is stricter
-  than any real Ctrl-C: KeyboardInterrupt is raised at every line of
-  ``roundpipe/model.py`` and ``roundpipe/runtime/session.py`` even where the runtime
-  defers SIGINT, so the orchestration must hold up without that deferral too.
-* ``children/sigint_training.py``: real SIGINT bursts into a training loop that
+* ``support/children/trace_injection.py METHOD``: a trace hook simulates a SIGINT
+  arriving at each line event of the caller-side orchestration
+  (``roundpipe/model/__init__.py`` and ``roundpipe/runtime/*``) while METHOD runs, once
+  per run, on one model. After each run: the method returned or raised
+  KeyboardInterrupt within seconds, ``synchronize()`` returns without an error, and the
+  model is consistent and exact (``support/children/harness.py: assert_consistent``).
+  For ``close()``: called again after an interrupted one, it returns and stops every
+  thread. Mode ``raise`` is stricter than any real Ctrl-C: KeyboardInterrupt is raised
+  at every line of ``roundpipe/model/__init__.py`` and ``roundpipe/runtime/session.py``
+  even where the runtime defers SIGINT, so the orchestration must hold up without that
+  deferral too.
+* ``support/children/sigint_training.py``: real SIGINT bursts into a training loop that
   catches KeyboardInterrupt and carries on; the child must end with an exact model.
 """
 
@@ -29,7 +30,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import pytest
-from children.harness import CHILDREN, finish_child, start_child
+from support.children.harness import CHILDREN, finish_child, start_child
 
 METHODS = [
     "forward_backward",

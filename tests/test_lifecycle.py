@@ -1,22 +1,27 @@
-"""A RoundPipe model's life: exit with work in flight, dropped models, two threads, re-entry.
-
-Issue 6, items 6 (re-entry from a step_fn), 9 (exit), 10 (unclosed models), 11 (two
-threads) and 17 (pickling):
+"""A RoundPipe model's life: exit with work in flight, close, dropped models, several
+models, two threads, re-entry.
 
 * a script that ends, raises or calls ``sys.exit(n)`` with async work in flight exits
   with the code Python gives (0, 1, n): never an abort (134), never a hang;
+* ``close()`` stops every thread the model started (after a failed call too), waits
+  for a queued async step so the wrapped module ends with the newest weights, and
+  reports a background failure nobody has seen yet;
 * a model dropped without ``close()`` is collected, stops its threads and warns
   ``ResourceWarning``; worker threads never keep it alive;
+* models in one process train independently, and a failure in one leaves the other
+  unaffected;
 * two threads driving one model at once: one gets a RuntimeError naming threads, the
   other call is unaffected, no duplicate worker threads, training stays exact;
 * a ``step_fn`` that calls back into the model (the optimizer thread) raises a
-  RuntimeError naming ``step_fn``, never a hang;
-* pickling the model says to save ``state_dict()`` instead.
+  RuntimeError naming ``step_fn``, never a hang; so does a layer calling back into the
+  model from a background stage.
 
-Every wait runs under a watchdog (``run_within``): a hang fails the test, with every
-thread's stack in the message (and the test process then exits without running
-roundpipe's exit hook, which would wait for the hung model). Exit behaviour is tested
-in child processes (``children/exit_in_flight.py``).
+Every wait runs under a watchdog (``run_within``, or the ``no_hang`` fixture): a hang
+fails the test, with every thread's stack in the message (and the test process then
+exits without running roundpipe's exit hook, which would wait for the hung model).
+Exit behaviour and a layer calling back are tested in child processes
+(``support/children/exit_in_flight.py``, and a script given to ``python -c``). Ctrl-C is
+tested in ``test_interrupts.py``.
 """
 
 from __future__ import annotations
@@ -24,8 +29,9 @@ from __future__ import annotations
 import copy
 import gc
 import os
-import pickle
 import re
+import subprocess
+import sys
 import threading
 import time
 import warnings
@@ -37,7 +43,8 @@ from typing import Any
 
 import pytest
 import torch
-from children.harness import (
+from support import faults
+from support.children.harness import (
     CHILDREN,
     Hang,
     assert_consistent,
@@ -47,12 +54,13 @@ from children.harness import (
     sgd_step,
     start_child,
 )
-from oracle import (
+from support.oracle import (
     assert_grads_close,
     assert_weights_close,
     batch,
     mlp,
     mse_sum,
+    pytorch_sgd_step,
     reference_loss_and_grads,
 )
 from torch import nn
@@ -180,6 +188,65 @@ def test_script_exiting_with_async_work_in_flight_exits_with_pythons_code(mode, 
     )
 
 
+# -- close() ---------------------------------------------------------------------------------
+
+
+def new_threads(before: set[threading.Thread]) -> list[str]:
+    return [t.name for t in threading.enumerate() if t not in before and t.is_alive()]
+
+
+def test_close_stops_every_thread_the_model_started(no_hang):
+    before = set(threading.enumerate())
+    model = RoundPipe(mlp(depth=6), devices="emulated:3", model_run_config=faults.CONFIG)
+    optimizer = torch.optim.SGD(model.optim_parameters(), lr=0.1)
+    no_hang(train_call, model)
+    model.step(sgd_step(optimizer))
+    assert new_threads(before), "training started no thread; the check below would be vacuous"
+    no_hang(model.close)
+    assert new_threads(before) == []
+
+
+def test_close_after_a_failed_call_stops_every_thread(no_hang, error_of):
+    before = set(threading.enumerate())
+    module, switch = faults.faulty_sequential(faults.IN_FUSED_STAGE)
+    model = RoundPipe(module, devices="emulated:3", model_run_config=faults.CONFIG)
+    switch.arm("grad forward", at=1)
+    error_of(train_call, model)
+    no_hang(model.close)
+    assert new_threads(before) == []
+
+
+def test_close_reports_a_background_failure_nobody_has_seen_yet(faulty):
+    model, _, switch = faulty(faults.IN_FORWARD_AND_BACKWARD_STAGE)
+    switch.arm("backward", at=0)
+    model.forward_backward((batch()[0],), label=batch()[1], loss_fn=mse_sum)
+    with pytest.raises(ValueError, match="injected fault"):
+        model.close()
+
+
+CLOSE_LR = 0.1
+
+
+@pytest.mark.parametrize("steps", [0, 2])  # then one async step: 1 and 3 steps in all
+def test_close_leaves_the_wrapped_model_with_the_newest_weights(steps, no_hang):
+    net = mlp()
+    expected = net
+    pipe = RoundPipe(net, devices="emulated:2", model_run_config=CONFIG)
+    optimizer = torch.optim.SGD(pipe.optim_parameters(), lr=CLOSE_LR)
+    for seed in range(steps):
+        x, y = batch(seed=seed)
+        no_hang(pipe.forward_backward, (x,), label=y, loss_fn=mse_sum)
+        no_hang(pipe.step, sgd_step(optimizer), is_async=False)  # sync: versions are exact
+        expected = pytorch_sgd_step(expected, x, y, NUM_MICROBATCH, CLOSE_LR)
+    # one more async step, then close() without synchronize(): close waits for it
+    x, y = batch(seed=steps)
+    no_hang(pipe.forward_backward, (x,), label=y, loss_fn=mse_sum)
+    no_hang(pipe.step, sgd_step(optimizer), is_async=True)
+    expected = pytorch_sgd_step(expected, x, y, NUM_MICROBATCH, CLOSE_LR)
+    no_hang(pipe.close)
+    assert_weights_close(net, expected)  # the user's module after `with RoundPipe(...)`
+
+
 # -- models dropped without close() ----------------------------------------------------------
 
 DROPPED = 20
@@ -245,6 +312,47 @@ def test_worker_threads_do_not_keep_a_dropped_model_alive():
     if alive:
         holders = [type(r).__name__ for r in gc.get_referrers(ref())]
         pytest.fail(f"a dropped, idle model survived gc.collect(); referred to by {holders}")
+
+
+# -- several models in one process -----------------------------------------------------------
+
+
+def test_models_in_one_process_train_independently(wrap, no_hang):
+    first, first_reference = wrap(
+        mlp(seed=1, depth=6), devices="emulated:3", model_run_config=faults.CONFIG
+    )
+    second, second_reference = wrap(
+        mlp(seed=2, depth=4),
+        devices="emulated:2",
+        model_run_config=RoundPipeRunConfig(num_microbatch=3),
+    )
+    x, y = batch()
+    first_loss = no_hang(first.forward_backward, (x,), label=y, loss_fn=mse_sum)
+    second_loss = no_hang(second.forward_backward, (x,), label=y, loss_fn=mse_sum)
+    no_hang(second.synchronize)
+    no_hang(first.synchronize)
+    for model, reference, loss, num in (
+        (first, first_reference, first_loss, faults.NUM_MICROBATCH),
+        (second, second_reference, second_loss, 3),
+    ):
+        torch.testing.assert_close(loss, reference_loss_and_grads(reference, x, y, num))
+        assert_grads_close(model.model, reference)
+
+
+def test_failure_in_one_model_leaves_another_unaffected(faulty, wrap, no_hang, error_of):
+    healthy, reference = wrap(
+        mlp(seed=1, depth=6),
+        devices="emulated:2",
+        model_run_config=RoundPipeRunConfig(num_microbatch=3),
+    )
+    broken, _, switch = faulty(faults.IN_FUSED_STAGE)
+    switch.arm("grad forward", at=1)
+    x, y = batch()
+    loss = no_hang(healthy.forward_backward, (x,), label=y, loss_fn=mse_sum)
+    error_of(train_call, broken)  # fails while the healthy model's backward may still run
+    no_hang(healthy.synchronize)
+    torch.testing.assert_close(loss, reference_loss_and_grads(reference, x, y, 3))
+    assert_grads_close(healthy.model, reference)
 
 
 # -- two threads at once ---------------------------------------------------------------------
@@ -332,7 +440,7 @@ def trains_like_pytorch(pipe: RoundPipe, reference: nn.Module) -> None:
     assert_grads_close(pipe.model, expected)
 
 
-# -- re-entry from a step_fn ---------------------------------------------------------------
+# -- re-entry from a step_fn -----------------------------------------------------------------
 
 REENTRY: dict[str, Callable[[RoundPipe], Any]] = {
     "synchronize": lambda pipe: pipe.synchronize(),
@@ -394,16 +502,65 @@ def test_sync_step_fn_calling_back_into_the_model_raises_at_step(call, model):
     run_within(LIMIT_S, pipe.close)
 
 
-# -- pickling --------------------------------------------------------------------------------
+# -- re-entry from a layer in a background stage ---------------------------------------------
 
 
-@pytest.mark.parametrize("trained", [False, True], ids=["fresh", "trained"])
-def test_pickling_a_model_raises_type_error_saying_to_save_its_state_dict(trained):
-    pipe = new_model()
+CALLS_BACK_CHILD = r"""
+import os, sys, threading
+import torch
+from torch import nn
+sys.path.insert(0, sys.argv[1])
+from support.oracle import batch, mlp, mse_sum
+from roundpipe import RoundPipe, RoundPipeRunConfig
+
+armed, caller_returned, finished, outcome = (
+    threading.Event(), threading.Event(), threading.Event(), []
+)
+
+def hook(module, args):
+    # layer 0's recompute: a background backward stage, after forward_backward returned
+    if not (torch.is_grad_enabled() and armed.is_set()) or outcome:
+        return
+    outcome.append("started")
+    caller_returned.wait(5)
     try:
-        if trained:
-            run_within(LIMIT_S, train_call, pipe)
-        with pytest.raises(TypeError, match="state_dict"):
-            pickle.dumps(pipe)
+        pipe.synchronize()
+        outcome.append("returned")
+    except RuntimeError as exc:
+        outcome.append("raised")
     finally:
-        run_within(LIMIT_S, pipe.close)
+        finished.set()
+
+first = nn.Identity()
+first.register_forward_pre_hook(hook)
+config = RoundPipeRunConfig(num_microbatch=3, execute_plan="3,3|1,1,1,1,2,1")
+pipe = RoundPipe(nn.Sequential(first, *mlp()), devices="emulated:2", model_run_config=config)
+x, y = batch()
+pipe.forward_backward((x,), label=y, loss_fn=mse_sum)
+pipe.synchronize()
+armed.set()
+pipe.forward_backward((x,), label=y, loss_fn=mse_sum)
+caller_returned.set()
+print("LAYER", "finished" if finished.wait(5) else "HUNG", outcome, flush=True)
+try:
+    pipe.synchronize()
+    print("SYNC returned", flush=True)
+except RuntimeError as exc:
+    print("SYNC raised", str(exc)[:120], flush=True)
+os._exit(0)
+"""
+
+
+def test_a_layer_calling_back_into_the_model_from_a_background_stage_raises_not_hangs():
+    # In a child process: the failure mode is a device thread blocked forever.
+    tests = os.path.dirname(os.path.abspath(__file__))
+    child = subprocess.run(
+        [sys.executable, "-c", CALLS_BACK_CHILD, tests],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        stdin=subprocess.DEVNULL,
+    )
+    assert "LAYER finished ['started', 'raised']" in child.stdout, child.stdout + child.stderr
+    # the model is not left claimed by the device thread: never "another thread is driving"
+    assert "SYNC returned" in child.stdout, child.stdout

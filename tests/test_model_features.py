@@ -7,7 +7,7 @@ import copy
 
 import pytest
 import torch
-from oracle import assert_grads_close, batch, mlp, mse_sum, reference_loss_and_grads
+from support.oracle import assert_grads_close, batch, mlp, mse_sum, reference_loss_and_grads
 from torch import nn
 
 from roundpipe import RoundPipe, RoundPipeRunConfig

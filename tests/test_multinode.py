@@ -1,5 +1,5 @@
 """Several RoundPipe nodes (local processes on gloo) train as one process would on the
-concatenated global batch; the oracle is plain PyTorch (``tests/oracle.py``).
+concatenated global batch; the oracle is plain PyTorch (``tests/support/oracle.py``).
 
 Tolerance: float64 models, so the only difference from the reference is the order of
 the gradient sums (each rank sums its own microbatches, then the ranks are summed),
@@ -10,15 +10,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from multinode import launch
-from oracle import batch, mlp, train_reference
+from support.multinode import launch
+from support.oracle import batch, mlp, train_reference
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")
 
 
 def reference(steps: int, shards: int, optimizer: str, stale: bool, scale: float = 1.0):
     """Plain PyTorch on the global batches, split into ``shards`` microbatches."""
-    from multinode_scenarios import make_optimizer
+    from support.multinode_scenarios import make_optimizer
 
     model = mlp().double()
     batches = [tuple(t.double() for t in batch(seed=s, size=12)) for s in range(steps)]
@@ -103,7 +103,7 @@ def test_a_call_failing_on_one_rank_raises_on_every_rank_and_training_goes_on(tm
     assert len(results[1]["errors"]) == 1 and "mat1 and mat2" in results[1]["errors"][0]
     assert results[0]["errors"] == ["PeerFailure: the call failed on rank(s) [1]"]
     model = mlp().double()
-    from multinode_scenarios import make_optimizer
+    from support.multinode_scenarios import make_optimizer
 
     batches = [tuple(t.double() for t in batch(seed=s, size=12)) for s in (0, 2, 3)]
     want, _ = train_reference(model, batches, 4, lambda p: make_optimizer("adam", p))
@@ -170,7 +170,7 @@ def test_communication_overlaps_the_backward_and_the_next_iteration(tmp_path):
 def test_clip_grad_norm_clips_by_the_norm_over_every_nodes_gradients(tmp_path):
     codes, results, outputs = launch("train", 2, tmp_path, steps=3, optimizer="sgd", clip=0.5)
     assert codes == [0, 0], outputs
-    from multinode_scenarios import make_optimizer
+    from support.multinode_scenarios import make_optimizer
 
     model = mlp().double()
     opt = make_optimizer("sgd", model.parameters())
@@ -193,7 +193,7 @@ def test_hugging_face_loss_is_the_mean_over_the_global_batchs_label_tokens(tmp_p
     codes, results, outputs = launch("hf", 2, tmp_path, save_to=str(saved))
     assert codes == [0, 0], outputs
     assert [r["written"] for r in results] == [True, True]
-    from multinode_scenarios import hf_batch
+    from support.multinode_scenarios import hf_batch
     from test_hf_from_hf import build
 
     model = build("qwen3").double()

@@ -9,7 +9,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from oracle import assert_grads_close, batch, mlp, mse_sum, reference_loss_and_grads
+from support.oracle import assert_grads_close, batch, mlp, mse_sum, reference_loss_and_grads
 
 from roundpipe import JobKind, Plan, PlanError, RoundPipe, RoundPipeRunConfig, lower
 

@@ -110,7 +110,7 @@ def test_the_planner_uses_fewer_stages_when_activation_hops_are_expensive():
     # A hop (2.5 ms down and 2.5 ms up) costs more than a layer's forward and backward.
     profiler = hand_fed_profiler(num_layers=16, hop_bytes=25_000_000)
     free_hops = auto_plan(profiler.costs(), 8, 9, round_size=9)
-    paid_hops = AutoPlanner(profiler, None).current(8, 9, 2**20)
+    paid_hops = AutoPlanner(profiler.cost_model, None).current(8, 9, 2**20)
     assert num_stages(paid_hops) < num_stages(free_hops)
 
 
@@ -130,7 +130,7 @@ def test_the_planner_adopts_a_plan_with_fewer_stages_once_it_measured_costly_hop
         profiler.record("forward", [layer], 1e-3)
         profiler.record("recompute", [layer], 1e-3)
         profiler.record("backward", [layer], 2e-3)
-    planner = AutoPlanner(profiler, None)
+    planner = AutoPlanner(profiler.cost_model, None)
     first = planner.plan(8, 9, 2**20)
     for link in ("h2d", "d2h"):
         profiler.record_transfer(link, 10 * 2**20, 10 * 2**20 / 10e9)

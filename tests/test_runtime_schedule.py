@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 import torch
-from oracle import batch, mlp, mse_sum
+from support.oracle import batch, mlp, mse_sum
 from torch import nn
 
 from roundpipe import EmulatedOptions, RoundPipe, RoundPipeRunConfig
@@ -186,7 +186,7 @@ def test_a_replan_runs_off_the_callers_thread_and_takes_effect_at_a_later_call(m
 
     monkeypatch.setattr(planner, "auto_plan", slow_auto_plan)
     monkeypatch.setattr(planner, "_predict", lambda plan, *_: 1.0 if plan == better else 2.0)
-    auto = planner.AutoPlanner(Profiler(), None)
+    auto = planner.AutoPlanner(Profiler().cost_model, None)
     assert auto.plan(3, 4, None) == first
     Profiler.measured = profile(8.0)  # the head turned out heavy
     assert auto.plan(3, 4, None) == first  # the re-plan started; this call keeps the plan

@@ -17,8 +17,8 @@ from roundpipe.planning.sim import (
     simulate_roundpipe,
     steady_iteration_time,
 )
-from roundpipe.planning.sim.costs import hardware
 from roundpipe.planning.sim.engine import Dep, Op, run
+from roundpipe.predict.gpus import gpu_preset
 from roundpipe.predict.models import MODEL_PRESETS, ModelSpec, Workload, model_preset, predict
 
 
@@ -195,7 +195,7 @@ def test_model_prediction_puts_roundpipe_ahead_and_within_gpu_memory() -> None:
     predictions = {
         p.schedule: p
         for p in predict(
-            model_preset("Qwen3-1.7B"), hardware("rtx4090"), work, 4, ("roundpipe", "1f1b")
+            model_preset("Qwen3-1.7B"), gpu_preset("rtx4090"), work, 4, ("roundpipe", "1f1b")
         )
     }
     roundpipe = predictions["roundpipe"]

@@ -1,5 +1,4 @@
-"""Edge cases of a model's state: closing, loading, freezing, deferred backwards,
-retried scaled steps and layers calling back into the model.
+"""Edge cases of a model's state: loading, deferred backwards and freezing.
 
 Each test names the behaviour PyTorch gives; where refusing loudly is the honest
 alternative to matching PyTorch, the test accepts that error.
@@ -8,16 +7,12 @@ alternative to matching PyTorch, the test accepts that error.
 from __future__ import annotations
 
 import copy
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
-from oracle import assert_grads_close, assert_weights_close, batch, mlp, mse_sum
-from torch import nn
+from support.oracle import assert_grads_close, batch, mlp, mse_sum
 
-from roundpipe import RoundPipe, RoundPipeRunConfig
+from roundpipe import RoundPipeRunConfig
 
 CONFIG = RoundPipeRunConfig(num_microbatch=3)
 LR = 0.1
@@ -25,39 +20,6 @@ LR = 0.1
 
 def sgd_step(optimizer: torch.optim.Optimizer):
     return lambda: (optimizer.step(), optimizer.zero_grad())
-
-
-def pytorch_sgd_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> nn.Module:
-    """``model`` after one SGD step on the summed microbatch losses of ``(x, y)``."""
-    model = copy.deepcopy(model)
-    for xm, ym in zip(x.tensor_split(3), y.tensor_split(3), strict=True):
-        mse_sum(model(xm), ym).backward()
-    torch.optim.SGD(model.parameters(), lr=LR).step()
-    model.zero_grad()
-    return model
-
-
-# -- close() leaves the wrapped model one step stale after odd async step counts -------
-
-
-@pytest.mark.parametrize("steps", [0, 2])  # then one async step: 1 and 3 steps in all
-def test_close_leaves_the_wrapped_model_with_the_newest_weights(steps, no_hang):
-    net = mlp()
-    expected = net
-    pipe = RoundPipe(net, devices="emulated:2", model_run_config=CONFIG)
-    optimizer = torch.optim.SGD(pipe.optim_parameters(), lr=LR)
-    for seed in range(steps):
-        x, y = batch(seed=seed)
-        no_hang(pipe.forward_backward, (x,), label=y, loss_fn=mse_sum)
-        no_hang(pipe.step, sgd_step(optimizer), is_async=False)  # sync: versions are exact
-        expected = pytorch_sgd_step(expected, x, y)
-    # one more async step, then close() without synchronize(): close waits for it
-    x, y = batch(seed=steps)
-    no_hang(pipe.forward_backward, (x,), label=y, loss_fn=mse_sum)
-    no_hang(pipe.step, sgd_step(optimizer), is_async=True)
-    expected = pytorch_sgd_step(expected, x, y)
-    no_hang(pipe.close)
-    assert_weights_close(net, expected)  # the user's module after `with RoundPipe(...)`
 
 
 # -- load_state_dict(assign=True) is silently ignored ----------------------------------
@@ -98,36 +60,6 @@ def test_partial_load_state_dict_keeps_the_fp32_masters_of_parameters_it_does_no
     for name, master in after.items():
         if name != "0.weight":
             assert torch.equal(master.detach(), before[name]), f"{name}: master rewritten"
-
-
-# -- GradScaler: a failing step_fn leaves the kept gradients scaled --------------------
-
-
-def test_retrying_a_failed_step_with_a_grad_scaler_applies_the_unscaled_gradients(no_hang):
-    net = mlp()
-    x, y = batch()
-    expected = pytorch_sgd_step(net, x, y)
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**4)
-    pipe = RoundPipe(net, devices="emulated:2", model_run_config=CONFIG, grad_scaler=scaler)
-    try:
-        optimizer = torch.optim.SGD(pipe.optim_parameters(), lr=LR)
-        no_hang(pipe.forward_backward, (x,), label=y, loss_fn=mse_sum)
-
-        def flaky() -> None:
-            raise ValueError("transient failure before the optimizer ran")
-
-        def step_fn() -> None:
-            scaler.step(optimizer)
-            scaler.update()
-            optimizer.zero_grad()
-
-        with pytest.raises(ValueError, match="transient"):
-            no_hang(pipe.step, flaky, is_async=False)
-        no_hang(pipe.step, step_fn, is_async=False)  # the retry the SPEC promises
-        no_hang(pipe.synchronize)
-        assert_weights_close(pipe.model, expected)
-    finally:
-        no_hang(pipe.close)
 
 
 # -- model(x) then .backward(): weights changed in between are not noticed -------------
@@ -181,70 +113,6 @@ def test_a_second_backward_through_a_plain_forward_accumulates_again(wrap, no_ha
     expected.sum().backward(retain_graph=True)
     expected.sum().backward()
     assert_grads_close(pipe.model, reference)
-
-
-# -- a layer calling back into the model from a background stage hangs forever ---------
-
-
-CALLS_BACK_CHILD = r"""
-import os, sys, threading
-import torch
-from torch import nn
-sys.path.insert(0, sys.argv[1])
-from oracle import batch, mlp, mse_sum
-from roundpipe import RoundPipe, RoundPipeRunConfig
-
-armed, caller_returned, finished, outcome = (
-    threading.Event(), threading.Event(), threading.Event(), []
-)
-
-def hook(module, args):
-    # layer 0's recompute: a background backward stage, after forward_backward returned
-    if not (torch.is_grad_enabled() and armed.is_set()) or outcome:
-        return
-    outcome.append("started")
-    caller_returned.wait(5)
-    try:
-        pipe.synchronize()
-        outcome.append("returned")
-    except RuntimeError as exc:
-        outcome.append("raised")
-    finally:
-        finished.set()
-
-first = nn.Identity()
-first.register_forward_pre_hook(hook)
-config = RoundPipeRunConfig(num_microbatch=3, execute_plan="3,3|1,1,1,1,2,1")
-pipe = RoundPipe(nn.Sequential(first, *mlp()), devices="emulated:2", model_run_config=config)
-x, y = batch()
-pipe.forward_backward((x,), label=y, loss_fn=mse_sum)
-pipe.synchronize()
-armed.set()
-pipe.forward_backward((x,), label=y, loss_fn=mse_sum)
-caller_returned.set()
-print("LAYER", "finished" if finished.wait(5) else "HUNG", outcome, flush=True)
-try:
-    pipe.synchronize()
-    print("SYNC returned", flush=True)
-except RuntimeError as exc:
-    print("SYNC raised", str(exc)[:120], flush=True)
-os._exit(0)
-"""
-
-
-def test_a_layer_calling_back_into_the_model_from_a_background_stage_raises_not_hangs():
-    # In a child process: the failure mode is a device thread blocked forever.
-    tests = os.path.dirname(os.path.abspath(__file__))
-    child = subprocess.run(
-        [sys.executable, "-c", CALLS_BACK_CHILD, tests],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        stdin=subprocess.DEVNULL,
-    )
-    assert "LAYER finished ['started', 'raised']" in child.stdout, child.stdout + child.stderr
-    # the model is not left claimed by the device thread: never "another thread is driving"
-    assert "SYNC returned" in child.stdout, child.stdout
 
 
 # -- misuse paths that silently train the wrong thing -----------------------------------

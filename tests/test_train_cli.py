@@ -26,8 +26,9 @@ transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 pytest.importorskip("yaml")
 
-from train_fixtures import build_model_dir, write_data  # noqa: E402
+from support.train_fixtures import build_model_dir, write_data  # noqa: E402
 
+import roundpipe  # noqa: E402
 from roundpipe.cli import main  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
@@ -230,14 +231,13 @@ def test_the_logged_eval_loss_is_the_trained_models_mean_token_loss(runs, files,
 def test_a_full_fine_tune_writes_a_model_that_transformers_loads_as_trained(runs, files):
     """The output directory loads on its own (model and tokenizer) and computes what
     the final checkpoint, restored into a pipe, computes."""
-    from roundpipe import RoundPipe
 
     output = runs["text"]
     model = transformers.AutoModelForCausalLM.from_pretrained(output, dtype=torch.float32)
     tokenizer = transformers.AutoTokenizer.from_pretrained(output)
     batch = tokenizer(["count from 2 to 6 2 3 4 5 6", "count from 1 to 4"], padding=True,
                       return_tensors="pt")  # fmt: skip
-    with RoundPipe.from_pretrained(
+    with roundpipe.from_pretrained(
         files["model"], torch_dtype=torch.float32, devices="emulated:1"
     ) as pipe:
         pipe.load_checkpoint(output / "checkpoints" / "step-10")
@@ -398,7 +398,7 @@ def broken(files) -> dict[str, Path]:
     no_weights = root / "no-weights"
     no_weights.mkdir()
     shutil.copy(files["model"] / "config.json", no_weights)
-    bin_only = root / "bin-only"  # weights RoundPipe.from_pretrained does not load
+    bin_only = root / "bin-only"  # weights roundpipe.from_pretrained does not load
     bin_only.mkdir()
     shutil.copy(files["model"] / "config.json", bin_only)
     (bin_only / "pytorch_model.bin").write_bytes(b"")

@@ -26,8 +26,8 @@ pytest.importorskip("transformers")
 pytest.importorskip("peft")
 pytest.importorskip("yaml")
 
-from train_fixtures import build_model_dir, write_data  # noqa: E402
-from train_ranks import finish, run_ranks, single, start_ranks, torchrun  # noqa: E402
+from support.train_fixtures import build_model_dir, write_data  # noqa: E402
+from support.train_ranks import finish, run_ranks, single, start_ranks, torchrun  # noqa: E402
 
 from roundpipe.cli import main  # noqa: E402
 from roundpipe.train.options import UsageError  # noqa: E402

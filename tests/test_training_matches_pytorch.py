@@ -7,7 +7,7 @@ import time
 
 import pytest
 import torch
-from oracle import (
+from support.oracle import (
     assert_grads_close,
     assert_weights_close,
     batch,

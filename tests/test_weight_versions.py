@@ -22,7 +22,7 @@ from collections.abc import Callable
 
 import pytest
 import torch
-from oracle import assert_weights_close, batch, mlp, mse_sum, reference_loss_and_grads
+from support.oracle import assert_weights_close, batch, mlp, mse_sum, reference_loss_and_grads
 from torch import nn
 
 from roundpipe import RoundPipe, RoundPipeRunConfig

@@ -1,6 +1,6 @@
 """Data parallelism across RoundPipe nodes on ``torch.distributed`` (one process per node).
 
-:func:`attach` turns it on for a model whose ``process_group`` spans more than one
+:func:`connect` turns it on for a model whose ``process_group`` spans more than one
 rank; nothing changes on one node. See :mod:`.node` for what a step does and
 :mod:`.layout` for who owns what.
 """
@@ -13,14 +13,15 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from ..devices import DevicePool
 from ..runtime.layers import LayerBinding
-from ..runtime.session import Session
+from ..runtime.params import ParameterStore
 from .comm import Comm, PeerFailure
 from .node import GRAD_REDUCTIONS, NodeSync
 
 BACKENDS = ("auto", "gloo", "nccl")
 
-__all__ = ["CommOptions", "NodeSync", "PeerFailure", "attach"]
+__all__ = ["CommOptions", "NodeSync", "PeerFailure", "connect"]
 
 
 @dataclass(frozen=True)
@@ -40,16 +41,20 @@ class CommOptions:
     PyTorch build has it and the devices are CUDA devices, else gloo."""
 
 
-def attach(
-    session: Session,
+def connect(
+    store: ParameterStore,
+    pool: DevicePool,
     layers: list[LayerBinding],
     process_group,
     grad_reduction: str,
     options: CommOptions | None,
+    grad_scaler=None,
 ) -> NodeSync | None:
-    """Wire ``session`` to the other ranks of ``process_group`` (None: the world group
-    when ``torch.distributed`` is initialised); None on a single node. Collective:
-    every rank of the group constructs its model at the same point."""
+    """This node's side of the model whose parameters ``store`` holds, across the ranks
+    of ``process_group`` (None: the world group when ``torch.distributed`` is
+    initialised); None on a single node. Collective: every rank of the group
+    constructs its model at the same point. Keeps only this node's share of the
+    masters in ``store``."""
     if grad_reduction not in GRAD_REDUCTIONS:
         raise ValueError(f"grad_reduction must be one of {GRAD_REDUCTIONS}, got {grad_reduction!r}")
     options = options or CommOptions()
@@ -67,7 +72,7 @@ def attach(
         process_group = dist.group.WORLD
     if dist.get_world_size(process_group) == 1:
         return None
-    if session.optimizer.grad_scaler is not None:
+    if grad_scaler is not None:
         raise NotImplementedError(
             "a GradScaler with several nodes is not supported yet (each node would skip "
             "steps on its own share's overflow); train in bf16 or fp32 across nodes"
@@ -77,15 +82,12 @@ def attach(
         if options.timeout_s is None
         else datetime.timedelta(seconds=options.timeout_s)
     )
-    device = session.pool.devices[0].torch_device
+    device = pool.devices[0].torch_device
     backend = choose_backend(options.backend, device)
     comm = Comm(process_group, timeout, backend, device)
-    itemsize = max((e.optim_dtype.itemsize for e in session.store.entries.values()), default=4)
+    itemsize = max((e.optim_dtype.itemsize for e in store.entries.values()), default=4)
     bucket_numel = max(1, options.bucket_bytes // itemsize)
-    node = NodeSync(comm, session.store, _layers_of(layers), grad_reduction, bucket_numel)
-    session.optimizer.node = node
-    session.versions.gather = node.gather
-    return node
+    return NodeSync(comm, store, _layers_of(layers), grad_reduction, bucket_numel)
 
 
 def choose_backend(requested: str, device: torch.device) -> str:

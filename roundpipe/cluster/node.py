@@ -104,18 +104,22 @@ class NodeSync:
         """Inside ``step_fn`` (e.g. the global gradient norm)."""
         self.comm.all_reduce(tensor, "an all-reduce inside step_fn", op)
 
-    def step(self, calls: Iterable[Call], step_fn: Callable[[], BaseException | None]):
+    def step(
+        self,
+        calls: Iterable[Call],
+        step_fn: Callable[[], BaseException | None],
+        discard: Callable[..., None],
+    ):
         """Reduce, agree, run ``step_fn`` (returns its error), agree again; returns the
         error to report for this step (None also for a step skipped because a call
-        failed here: the calls' own errors reach the caller)."""
+        failed here: the calls' own errors reach the caller). If a call failed on any
+        node, ``discard(calls, reduced=True)`` applies the gradient rule instead."""
         calls = tuple(calls)
         reduced, present = self._reduce(calls)
         failed_here = any(call.latch.wait() is not None for call in calls)
         failed, anywhere = self._agree(failed_here, present, "the step's status exchange")
         if failed:
-            self.store.discard_grads()
-            for call in calls:
-                call.discarded_grads = call.discarded_grads or call.accumulated
+            discard(calls, reduced=True)
             if failed_here:
                 return None
             return PeerFailure(f"a call failed on rank(s) {failed}: the step was skipped")
@@ -186,10 +190,7 @@ class NodeSync:
                     numel = entry.param.numel()
                     if present[index]:
                         grad = out[offset : offset + numel].view(entry.param.shape)
-                        if entry.master.grad is None:
-                            entry.master.grad = grad
-                        else:
-                            entry.master.grad.add_(grad)
+                        self.store.add_reduced_grad(self.uids[index], grad)
                     offset += numel
 
     def gather(self, buffer_of: Callable[[int], torch.Tensor]) -> None:

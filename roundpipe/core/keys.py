@@ -7,7 +7,7 @@ schedule: the layer whose input or input gradient it is, and the microbatch.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,3 +47,17 @@ class Output:
 
 
 HandoffKey = Activation | InputGrad | RngState | Loss | Output
+
+
+def key_label(key: HandoffKey) -> str:
+    """A handoff in words, for op labels and errors: ``act 3``, ``grad``, ``loss``, ``output``."""
+    if isinstance(key, Activation):
+        return f"act {key.layer}"
+    if isinstance(key, InputGrad):
+        return "grad"
+    return type(key).__name__.lower()
+
+
+def key_repr(key: HandoffKey) -> str:
+    """A handoff as printed op programs show it: ``Activation(3,0)``."""
+    return f"{type(key).__name__}({','.join(str(v) for v in astuple(key))})"

@@ -1,14 +1,8 @@
 """Execution plans: how the layer sequence is cut into forward and backward stages.
 
-A plan is pure data. The forward pass and the backward pass use *different*
-partitions of the same layers (DESIGN.md §3): forward stages hold more layers,
-backward stages (which also recompute) fewer. The deepest backward stage is the
-*fused* stage: it runs forward, loss and backward back to back, so the forward
-partition ends exactly where the fused stage begins.
-
-Stages are given as layer counts. ``Plan(forward=(3, 3), backward=(2, 1, 1, 1, 1, 1, 1))``
-over 8 layers means forward stages ``[0:3] [3:6]``, the fused stage ``[6:8]``, then
-backward stages ``[5:6] [4:5] ... [0:1]`` (deepest first, the order they run in).
+A plan is pure data: two partitions of the same layers, forward stages holding more
+layers than backward stages (which also recompute), the deepest backward stage fused
+with the loss (docs/design.md#plans).
 """
 
 from __future__ import annotations

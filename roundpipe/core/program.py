@@ -1,35 +1,27 @@
 """A stage job lowered to device ops: the one program the runtime interprets and the
-simulator replays (DESIGN.md §4).
+simulator replays.
 
-``schedule.lower`` says which device runs which job; :func:`job_program` says what a
-job does on its device, op by op: which stream, which microbatch and layers, which
-handoff it reads from or hands to other jobs, and which earlier ops of the job it
-waits for. It is pure data, printable, and the same for every consumer:
-
-- the runtime's prefetch thread issues the weight ops and its issue thread the rest,
-  one op per stream submission, in program order per stream;
-- the simulator gives every op a duration and replays the programs of every job.
-
-Streams: ``weight_upload`` (weight chunks, buffers), ``act_upload`` (activations,
-labels, incoming gradients), ``compute`` and ``download``. An op that reads the
-result of an op on another stream (``inputs``) waits for it on the device. Before
-issuing an upload for microbatch *m* the host waits until the last compute op of
-microbatch *m* − 2 has run (``host_wait``): at most one microbatch is uploaded
-ahead of the one computing, counted when memory is taken.
+``schedule.lower`` says which device runs which job; :func:`job_program` says what the
+job does there, op by op: its stream, microbatch and layers, the handoffs it reads and
+produces, the earlier ops it waits for. Pure, printable data, the same for every
+consumer (docs/design.md#op-programs).
 """
 
 from __future__ import annotations
 
 import functools
-from dataclasses import astuple, dataclass
+from collections import Counter
+from dataclasses import dataclass
 
-from .keys import Activation, HandoffKey, InputGrad, Loss, Output, RngState
+from .keys import Activation, HandoffKey, InputGrad, Loss, Output, RngState, key_repr
 from .schedule import Job, JobKind, Schedule
 
 WEIGHT_UPLOAD = "weight_upload"
 ACT_UPLOAD = "act_upload"
 COMPUTE = "compute"
 DOWNLOAD = "download"
+STREAMS = (COMPUTE, WEIGHT_UPLOAD, ACT_UPLOAD, DOWNLOAD)
+"""Every device has these four streams."""
 
 UPLOAD_WEIGHTS = "upload_weights"
 """One chunk of the stage's parameters."""
@@ -85,11 +77,11 @@ class DeviceOp:
         if len(self.layers):
             parts.append(f"L{self.layers.start}-{self.layers.stop - 1}")
         if self.key is not None:
-            parts.append(_key_name(self.key))
+            parts.append(key_repr(self.key))
         if self.keys:
-            parts.append(",".join(_key_name(k) for k in self.keys))
+            parts.append(",".join(key_repr(k) for k in self.keys))
         if self.posts:
-            parts.append("posts " + ",".join(_key_name(k) for k in self.posts))
+            parts.append("posts " + ",".join(key_repr(k) for k in self.posts))
         if self.inputs:
             parts.append("after " + ",".join(f"#{i}" for i in self.inputs))
         if self.host_wait is not None:
@@ -150,6 +142,16 @@ class JobProgram:
             if op.kind == DOWNLOAD_VALUE:
                 keys[op.inputs[0]] = (*keys.get(op.inputs[0], ()), *op.keys)
         return keys
+
+    @functools.cached_property
+    def reads(self) -> tuple[HandoffKey, ...]:
+        """The handoffs this job reads from other jobs (or the caller), in issue order."""
+        return tuple(op.key for op in self.ops if op.key is not None)
+
+    @functools.cached_property
+    def produces(self) -> tuple[HandoffKey, ...]:
+        """The handoffs this job hands to other jobs (or the caller), in issue order."""
+        return tuple(key for op in self.ops for key in (*op.posts, *op.keys))
 
     @functools.cached_property
     def event_ops(self) -> frozenset[int]:
@@ -303,5 +305,14 @@ def plan_chunks(
     return chunks
 
 
-def _key_name(key: HandoffKey) -> str:
-    return f"{type(key).__name__}({','.join(str(v) for v in astuple(key))})"
+def handoffs(job: Job, shape: CallShape) -> JobProgram:
+    """``job``'s program without its weight ops: what it reads and produces does not
+    depend on how its weights travel (for a job failed or cancelled before its
+    weights were planned)."""
+    return job_program(job, shape, 0, False, False)
+
+
+def readers(schedule: Schedule, shape: CallShape) -> Counter[HandoffKey]:
+    """How many jobs of ``schedule`` read each handoff (a host copy is freed after its
+    last reader)."""
+    return Counter(key for job in schedule.jobs for key in handoffs(job, shape).reads)

@@ -1,13 +1,7 @@
-"""A plan lowered to an ordered list of stage jobs: the one schedule two consumers share.
+"""A plan lowered to the ordered stage jobs of one call, each placed on a device.
 
-The runtime executes this list and the simulator (``roundpipe.planning.sim``) replays it
-with a cost model, so both agree by construction on which device runs which job
-(DESIGN.md §10). A job is one stage for *all* microbatches of a call; job ``j``
-runs on device ``(first_device + j) mod N`` (round-robin dispatch, §2).
-
-Per microbatch, every job depends on the job before it (its input activation or
-incoming gradient). A backward stage also depends on the forward job that saved
-its input (for recompute); the fused stage needs no recompute.
+The runtime executes this list and the simulator replays it, so both agree by
+construction on which device runs which job (docs/design.md#schedules).
 """
 
 from __future__ import annotations
@@ -42,6 +36,13 @@ class Job:
         return (
             f"{self.kind.value}{self.stage}@{self.device}[{self.layers.start}:{self.layers.stop}]"
         )
+
+    @property
+    def description(self) -> str:
+        """The job in words, for errors: ``forward stage 0 (layers 0-2)``."""
+        kind = {JobKind.FORWARD: "forward", JobKind.FUSED: "fused", JobKind.BACKWARD: "backward"}
+        layers = f"layers {self.layers.start}-{self.layers.stop - 1}"
+        return f"{kind[self.kind]} stage {self.stage} ({layers})"
 
 
 @dataclass(frozen=True)

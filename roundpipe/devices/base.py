@@ -1,18 +1,9 @@
-"""The device abstraction the runtime is written against (DESIGN.md §9).
+"""The device abstraction the runtime is written against.
 
-Everything the runtime does on a device is a *stream op*: a closure submitted to
-one of the device's streams, run in that stream's order. On CUDA the closure runs
-at once on the calling thread inside ``torch.cuda.stream(...)``, so the kernels it
-launches are queued on the real stream. On the emulated backend the closure is
-queued and run later by the device's executor thread. Runtime code therefore never
-reads a device result on the host thread; it hands results along through
-:class:`Slot` objects filled inside stream ops and orders them with events, the
-same way CUDA code must.
-
-Errors are sticky, as on CUDA: once an op of a stream fails, later ops of that
-stream are skipped, events it records carry the error, and a stream that waits on
-such an event is poisoned too. :meth:`Event.synchronize` raises the error on the
-host. :meth:`DevicePool.clear_errors` makes the pool usable again.
+Everything the runtime does on a device is a *stream op*, a closure run in its
+stream's order; results travel in :class:`Slot` objects filled inside ops and ordered
+by events, and errors are sticky per stream, as on CUDA. One interface, so the runtime
+is written once for CUDA and the emulator (docs/design.md#devices).
 """
 
 from __future__ import annotations
@@ -26,9 +17,9 @@ from typing import Any
 
 import torch
 
+from ..core.program import ACT_UPLOAD, COMPUTE, DOWNLOAD, WEIGHT_UPLOAD
 from .host_blocks import HostBlockPool
 
-STREAM_NAMES = ("compute", "weight_upload", "act_upload", "download")
 RANDOM_KINDS = frozenset({"forward", "recompute", "fused"})
 """Compute ops that may draw random numbers (dropout): their RNG use must be atomic."""
 
@@ -82,6 +73,11 @@ class Slot:
 
     def __init__(self, value: Any = None) -> None:
         self.value = value
+
+    def take(self) -> Any:
+        """The value, emptied from the slot so device memory is freed as soon as possible."""
+        value, self.value = self.value, None
+        return value
 
 
 class Timer(abc.ABC):
@@ -156,7 +152,7 @@ class Device(abc.ABC):
 
     @property
     def compute(self) -> Stream:
-        return self.streams["compute"]
+        return self.streams[COMPUTE]
 
     def is_pinned(self, tensor: torch.Tensor) -> bool:
         """Whether copies from host ``tensor`` are asynchronous (page-locked memory)."""
@@ -164,15 +160,15 @@ class Device(abc.ABC):
 
     @property
     def weight_upload(self) -> Stream:
-        return self.streams["weight_upload"]
+        return self.streams[WEIGHT_UPLOAD]
 
     @property
     def act_upload(self) -> Stream:
-        return self.streams["act_upload"]
+        return self.streams[ACT_UPLOAD]
 
     @property
     def download(self) -> Stream:
-        return self.streams["download"]
+        return self.streams[DOWNLOAD]
 
     @abc.abstractmethod
     def empty_like(self, host: torch.Tensor) -> torch.Tensor:

@@ -1,24 +1,10 @@
 """The real backend: CUDA (and ROCm, which PyTorch exposes through ``torch.cuda``).
 
-This is the one module that makes vendor-specific calls. It follows the documented
-CUDA semantics the runtime relies on:
-
-- a stream op runs at once on the calling (device worker) thread inside
-  ``torch.cuda.stream(s)``, so every kernel and copy it issues is queued on ``s``;
-- events are recorded on a stream and waited on by streams of the same or other
-  devices (``cudaStreamWaitEvent``) without blocking the host;
-- host↔device copies are ``non_blocking`` from/to pinned memory, so they are truly
-  asynchronous; downloads land in page-locked blocks of the pool's own
-  :class:`~.host_blocks.HostBlockPool` (page-aligned host memory registered with
-  ``cudaHostRegister``: exact size classes, a bounded idle cache), and every copy
-  reading or writing such a block records its stream, so the block is not reused
-  before the copy has run;
-- a tensor allocated on one stream and used on another is passed to
-  ``Tensor.record_stream`` so the caching allocator does not hand its memory out
-  again before the using stream is done with it (:meth:`CudaDevice.keep_alive`).
-
-Python exceptions raised while issuing an op are made sticky per stream, the same
-way the emulated backend does, so both backends report failures through events.
+The one module that makes vendor-specific calls. It follows the documented CUDA
+semantics the runtime relies on: stream ops run at once on the calling thread inside
+``torch.cuda.stream(s)``, events order streams without blocking the host, copies are
+non-blocking from and to page-locked memory, and ``record_stream`` keeps memory used on
+another stream alive (docs/design.md#cuda-backend).
 """
 
 from __future__ import annotations
@@ -30,10 +16,10 @@ from collections.abc import Callable
 
 import torch
 
+from ..core.program import STREAMS
 from .base import (
     MAPPED_FILE_ATTR,
     RANDOM_KINDS,
-    STREAM_NAMES,
     Device,
     DevicePool,
     Event,
@@ -126,7 +112,7 @@ class CudaDevice(Device):
         self.pool = pool
         self.index = index
         self.torch_device = torch.device("cuda", index)
-        self.streams = {name: _CudaStream(self, name) for name in STREAM_NAMES}
+        self.streams = {name: _CudaStream(self, name) for name in STREAMS}
 
     def __repr__(self) -> str:
         return f"cuda:{self.index}"
@@ -233,7 +219,7 @@ class CudaDevicePool(DevicePool):
         ``"alloc"`` (a pinned copy) where registering fails.
 
         A tensor that is a view of a file mapping (its storage object carries a
-        ``roundpipe_mapped_file`` attribute, as ``RoundPipe.from_pretrained`` sets on a
+        ``roundpipe_mapped_file`` attribute, as ``roundpipe.from_pretrained`` sets on a
         LoRA model's frozen base weights) stays pageable in every mode: registering it
         would lock the whole file in RAM and a pinned copy would duplicate it; the
         driver stages uploads from pageable memory."""

@@ -1,26 +1,9 @@
-"""A bounded pool of page-locked host blocks for downloads (DESIGN.md §4).
+"""A bounded pool of page-locked host blocks for downloads.
 
-Every download (activations, gradients, losses, outputs) lands in a host buffer that
-must be page-locked for the copy to be asynchronous. PyTorch's caching host allocator
-(``torch.empty(..., pin_memory=True)``) rounds every size up to a power of two and
-never gives memory back; this pool instead:
-
-- hands out blocks of *size classes* a few per cent apart (16 classes per power of
-  two: at most 6.25% rounding, and whole pages, the unit of page-locking);
-- takes a block back when the last tensor using its memory dies (a view or alias
-  keeps it; each tensor handed out views a buffer object of its own, which tells the
-  pool when it dies), and reuses it only after the copies recorded on it with
-  :meth:`HostBlockPool.record_use` have run (an event recorded on each stream when it
-  was freed, like ``record_stream`` for device memory);
-- keeps at most ``cache_bytes`` of idle blocks (the least recently freed are given
-  back first). Blocks in use are never limited: a downloaded activation may live for
-  a whole call, and refusing or waiting for memory there could deadlock the pipeline.
-
-The backend supplies how a block is made page-locked and given back (CUDA:
-``cudaHostRegister`` of a page-aligned host allocation; the emulator: a mark on the
-storage). A handed-out tensor keeps its block's memory alive, so a tensor the caller
-still holds after :meth:`close` stays valid; its block is given back (unregistered,
-on CUDA) when it dies.
+Every download must land in page-locked memory to be asynchronous. PyTorch's caching
+host allocator rounds sizes up to powers of two and never gives memory back; this pool
+uses size classes at most 6.25% apart, reuses a block once the copies recorded on it
+have run, and keeps a bounded cache of idle blocks (docs/design.md#download-blocks).
 """
 
 from __future__ import annotations

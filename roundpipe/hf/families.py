@@ -50,7 +50,7 @@ def family_of(model) -> Family:
         supported = ", ".join(f"{f.name} ({f.model_type})" for f in FAMILIES.values())
         what = f"model_type {model_type!r}" if model_type else type(model).__name__
         raise ValueError(
-            f"RoundPipe.from_hf supports decoder-only causal LMs of these families: "
+            f"roundpipe.from_hf supports decoder-only causal LMs of these families: "
             f"{supported}; got {what}. A family whose model has model.embed_tokens, "
             "model.layers, model.norm, model.rotary_emb and an LM head is one entry in "
             "roundpipe/hf/families.py; any other model can be wrapped as an "

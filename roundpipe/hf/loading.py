@@ -1,4 +1,4 @@
-"""``RoundPipe.from_pretrained``: a local Hugging Face model directory as an ``HFRoundPipe``.
+"""``roundpipe.from_pretrained``: a local Hugging Face model directory as an ``HFRoundPipe``.
 
 The model is built from its ``config.json`` on the ``meta`` device (no memory), then
 each tensor is read from the safetensors file(s) straight into its final host tensor,
@@ -31,7 +31,7 @@ def from_pretrained(path, *, torch_dtype=torch.bfloat16, lora=None, **options) -
     """The model in the local directory ``path`` (``config.json`` and ``model.safetensors``,
     or shards listed in ``model.safetensors.index.json``) in ``torch_dtype``, as
     ``transformers.AutoModelForCausalLM.from_pretrained`` loads it, wrapped with
-    ``RoundPipe.from_hf(model, **options)``. ``torch_dtype`` is a floating point
+    ``roundpipe.from_hf(model, **options)``. ``torch_dtype`` is a floating point
     ``torch.dtype``, its name, or ``"auto"``: the dtype ``config.json`` names (fp32 if none).
 
     Host memory: one copy of the weights (fp32 masters come later, with the first call
@@ -47,7 +47,7 @@ def from_pretrained(path, *, torch_dtype=torch.bfloat16, lora=None, **options) -
     if not (directory / "config.json").is_file():
         raise FileNotFoundError(
             f"{directory} is not a Hugging Face model directory (it has no config.json); "
-            "RoundPipe.from_pretrained loads local directories only"
+            "roundpipe.from_pretrained loads local directories only"
         )
     import transformers
 

@@ -1,4 +1,4 @@
-"""``RoundPipe.from_hf``: a Hugging Face causal LM trained with its own loss.
+"""``roundpipe.from_hf``: a Hugging Face causal LM trained with its own loss.
 
 ``forward_backward(input_kwargs={"input_ids", "attention_mask", "labels"})`` returns
 what ``model(**batch).loss`` returns for the whole batch: the mean cross-entropy over
@@ -23,7 +23,7 @@ from .families import family_of
 
 
 class HFRoundPipe(RoundPipe):
-    """A RoundPipe over a Hugging Face causal LM (build it with ``RoundPipe.from_hf``)."""
+    """A RoundPipe over a Hugging Face causal LM (build it with ``roundpipe.from_hf``)."""
 
     max_positions: int | None = None
 

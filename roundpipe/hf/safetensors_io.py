@@ -137,7 +137,7 @@ def checkpoint_tensors(directory: Path) -> dict[str, StoredTensor]:
         return read_header(single)
     if not index.is_file():
         raise CheckpointError(
-            f"{directory} has no {SINGLE_FILE} and no {INDEX_FILE}; RoundPipe.from_pretrained "
+            f"{directory} has no {SINGLE_FILE} and no {INDEX_FILE}; roundpipe.from_pretrained "
             "loads safetensors checkpoints only (convert a .bin checkpoint with "
             "transformers: from_pretrained, then save_pretrained)"
         )

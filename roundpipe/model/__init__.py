@@ -10,6 +10,7 @@ time; a second thread driving it at once gets a clear error.
 
 from __future__ import annotations
 
+import functools
 import time
 import weakref
 from collections.abc import Callable
@@ -26,7 +27,6 @@ from ..core.plan import Plan
 from ..core.schedule import Schedule, lower
 from ..core.timeline import HOST, Span, Timeline
 from ..devices import DevicePool, EmulatedOptions, make_pool
-from ..hf.entry import FromHuggingFace
 from ..planning.planner import AutoPlanner
 from ..runtime import optimizer_guard
 from ..runtime.call import AutocastState, Call
@@ -34,6 +34,7 @@ from ..runtime.inputs import own_and_split
 from ..runtime.layers import sequential_layers
 from ..runtime.lifetime import finalize_unclosed
 from ..runtime.microbatch import merge_outputs
+from ..runtime.params import ParameterStore, parameter_names
 from ..runtime.profiler import LayerProfiler
 from ..runtime.session import Session
 from ..runtime.sync import wait_future
@@ -44,7 +45,7 @@ from .param_views import ParameterViews
 PIN_MODES = ("auto", "alloc", "register", "off")
 
 
-class RoundPipe(ModuleCall, Checkpoints, FromHuggingFace, ParameterViews, nn.Module):
+class RoundPipe(ModuleCall, Checkpoints, ParameterViews, nn.Module):
     """Train ``model`` (each entry of an ``nn.Sequential`` is one layer) on a device pool.
 
     >>> model = RoundPipe(nn.Sequential(...), devices="emulated:4")
@@ -95,31 +96,28 @@ class RoundPipe(ModuleCall, Checkpoints, FromHuggingFace, ParameterViews, nn.Mod
         self._layers = layers
         self.profiler = LayerProfiler.for_modules([layer.module for layer in layers])
         self.grad_scaler = grad_scaler
-        self._session = Session.build(
-            model,
-            layers,
-            self.pool,
-            not isinstance(devices, DevicePool),
-            optim_dtype,
-            pin_model,
-            grad_scaler,
-            self.profiler,
-            _names_from,
+        owns_pool = not isinstance(devices, DevicePool)
+        pin = functools.partial(self.pool.pin, mode=pin_model)
+        store = ParameterStore(layers, parameter_names(_names_from or model), optim_dtype, pin)
+        try:
+            self._node = cluster.connect(
+                store, self.pool, layers, process_group, grad_reduction, comm_options, grad_scaler
+            )
+        except BaseException:
+            if owns_pool:
+                self.pool.close()
+            raise
+        self._session = Session(
+            self.pool, owns_pool, store, layers, pin_model, grad_scaler, self.profiler, self._node
         )
         # Stops the threads of a model collected without close(); holds no reference to it.
         self._finalizer = weakref.finalize(self, finalize_unclosed, self._session)
         self._finalizer.atexit = False  # the session's own exit hook drains first
-        try:
-            self._node = cluster.attach(
-                self._session, layers, process_group, grad_reduction, comm_options
-            )
-        except BaseException:
-            self._finalizer.detach()
-            self._session.stop_threads()
-            raise
         optimizer_guard.watch(self._session.store)
         capacities = [device.memory_capacity() for device in self.pool]
-        self.planner = AutoPlanner(self.profiler, None if None in capacities else capacities)
+        self.planner = AutoPlanner(
+            self.profiler.cost_model, None if None in capacities else capacities
+        )
         self._cursor = 0
         self._optimizer_view = 0
 
@@ -192,7 +190,7 @@ class RoundPipe(ModuleCall, Checkpoints, FromHuggingFace, ParameterViews, nn.Mod
                 loss, error = self._node.global_loss(None if error else loss, error)
             if error is not None:
                 session.fail(error)
-            call.returned = True
+            session.returned(call)
         if not return_outputs:
             return loss
         return loss, (config.merge_output or merge_outputs)(outputs)
@@ -356,15 +354,13 @@ class RoundPipe(ModuleCall, Checkpoints, FromHuggingFace, ParameterViews, nn.Mod
             labels,
             session.ledger.versions,
             seq=session.ledger.next_seq,
+            rewrites_before=session.ledger.rewrites,
             autocast=AutocastState.capture(self.pool.devices[0].torch_device.type),
             loss_fn=loss_fn,
-            loss_scale=self._loss_scale() if loss_fn is not None else None,
             return_outputs=return_outputs,
-            owned_buffers=owned,
-            rewrites_before=session.ledger.rewrites,
         )
         self._cursor = schedule.next_device
-        session.issue(call)
+        session.issue(call, self._loss_scale() if loss_fn is not None else None, owned)
         return call
 
     def _loss_scale(self) -> float | None:

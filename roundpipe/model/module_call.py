@@ -56,7 +56,7 @@ class ModuleCall:
                 outputs = [call.read(Activation(self.num_layers, m))[0][0] for m in range(num)]
             except Exception as exc:
                 session.fail(call.latch.wait() or exc)
-            call.returned = True
+            session.returned(call)
         merged = (config.merge_output or merge_outputs)(outputs)
         if not training:
             return merged
@@ -67,13 +67,11 @@ class ModuleCall:
         with self._session.enter("backward") as session:
             check_backward_allowed(call, session)
             self._begin(session)
-            call.loss_scale = self._loss_scale()  # the user scaled the loss just before
-            call.returned = False
-            call.backward_done = True
+            loss_scale = self._loss_scale()  # the user scaled the loss just before
             for m, grads in enumerate(grads_per_microbatch):
                 call.mailbox.post(InputGrad(self.num_layers, m), Handoff(Slot(grads), None))
-            session.issue_more(call, call.schedule.backward_jobs)
+            session.issue_backward(call, loss_scale)
             error = call.latch.wait()
             if error is not None:
                 session.fail(error)
-            call.returned = True
+            session.returned(call)

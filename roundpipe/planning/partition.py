@@ -1,18 +1,9 @@
 """Automatic layer partitioning: choose the plan the simulator predicts to be fastest.
 
-DESIGN.md §6 and issue 3. Candidate plans come from greedy packing of contiguous
-layers under a stage-time cap and a memory cap, for a range of caps and fused-stage
-sizes (the paper scans caps between the slowest layer and 1.1x it; we scan wider,
-because with a heavy head the best stage length is set by the fused stage), from the
-paper's rule, and from every plan with stages of one size. Every candidate that could
-win is timed by the RoundPipe simulator — the same cost model that predicts the
-steady-state iteration time — with lower bounds ruling out the rest unsimulated, and
-the fastest is refined by local moves while that helps (:mod:`.partition_search`).
-
-Memory: one stage is prefetched while another runs, so a stage's footprint
-(weights, gradients for backward stages, one microbatch's working activations)
-must fit in half the budget of every device it can land on under round-robin
-(:mod:`.partition_rules`).
+The public face of the partitioner: :func:`auto_plan` (candidates and search in
+:mod:`.search`, packing, rules and the memory fit in :mod:`.rules`), the simulated
+iteration time it scores plans by, and the trigger for a re-plan
+(docs/design.md#partitioner).
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
-"""Keeps the automatic plan in step with the profiler, without thrashing.
+"""Keeps the automatic plan in step with measured costs, without thrashing.
 
-Plans are scored with every cost the profiler measured: per-layer compute, the link's
+The planner asks a callable for the costs measured so far (the runtime passes its
+profiler's ``cost_model``). Plans are scored with every cost measured: per-layer compute, the link's
 bandwidth in each direction (weight uploads in the call's chunk size) and the time an
 activation takes to hop between stages; with memory budgets, plans must fit them with
 the activation bytes per microbatch measured at each layer's input. The partitioner runs
@@ -26,7 +27,6 @@ import threading
 from collections.abc import Callable, Sequence
 
 from ..core.plan import Plan
-from ..runtime.profiler import LayerProfiler
 from .partition import auto_plan, fits, predict_iteration_time, should_replan
 from .sim.costs import CostModel
 
@@ -39,8 +39,13 @@ LINK_THRESHOLD = 0.15
 
 
 class AutoPlanner:
-    def __init__(self, profiler: LayerProfiler, budgets: Sequence[int] | None) -> None:
-        self.profiler = profiler
+    def __init__(
+        self, measure: Callable[[int | None], CostModel], budgets: Sequence[int] | None
+    ) -> None:
+        """``measure(weight_chunk_bytes)``: the costs measured so far, weights priced as
+        uploads in chunks of that size; ``budgets``: device memory per device (None:
+        unbounded)."""
+        self.measure = measure
         self.budgets = list(budgets) if budgets is not None else None
         self.replans = 0
         self._plan: Plan | None = None
@@ -62,7 +67,7 @@ class AutoPlanner:
         ``weight_chunk_bytes`` is the run config's: weights upload in chunks of it."""
         key = (num_devices, num_microbatches, weight_chunk_bytes)
         if self._plan is None or self._key != key:
-            self._costs, self._key = self.profiler.cost_model(weight_chunk_bytes), key
+            self._costs, self._key = self.measure(weight_chunk_bytes), key
             self._plan = _auto_plan(self._costs, num_devices, num_microbatches, self.budgets)
             self.replans += 1
         return self._plan
@@ -83,7 +88,7 @@ class AutoPlanner:
         if self._calls_since_check < self._interval:
             return self._plan
         self._calls_since_check = 0
-        costs = self.profiler.cost_model(weight_chunk_bytes)
+        costs = self.measure(weight_chunk_bytes)
         moved = should_replan(self._costs.layers, costs.layers) or link_moved(self._costs, costs)
         if not (moved or (self.budgets is not None and activations_moved(self._costs, costs))):
             return self._plan

@@ -1,10 +1,8 @@
 """How candidate plans are built, and which fit in memory (for :mod:`roundpipe.planning.partition`).
 
-Greedy packing of contiguous layers under a stage-time and a memory cap, the paper's
-rule (stages under 1.1x the slowest layer), plans with stages of one size, and the
-memory test: one stage is prefetched while another runs, so a stage's footprint
-(weights; gradients and the microbatch activations it holds for backward stages) must
-fit in half the budget of every device it can land on under round-robin.
+Greedy packing under a stage-time and a memory cap, the paper's rule, plans with
+stages of one size, and the memory test: a stage must fit in half the budget of every
+device it can land on (docs/design.md#partitioner).
 """
 
 from __future__ import annotations

@@ -1,15 +1,8 @@
 """The automatic planner's search (for :func:`roundpipe.planning.partition.auto_plan`).
 
-Candidates: greedy packing under a range of stage-time caps and fused-stage sizes, one
-layer per stage, the paper's rule, and every plan with stages of one size (a fused
-stage of ``f`` layers, every other stage of ``k``). Every candidate would be simulated
-if it could win; bounds decide which could (:mod:`roundpipe.planning.sim.bounds`): a plan whose
-cheap bound (compute over N, the loss chain) is not below the best score so far is
-skipped unseen, then one whose job-level bound is not, and the rest are simulated in the
-order of that bound, so the first simulated are the likeliest winners. The result is
-the plan simulating every candidate would pick. Refinement then moves stage boundaries
-one layer at a time, resizes the fused stage, and merges or splits stages, while a move
-gains and the budget lasts.
+Finds the plan that simulating every candidate would pick while simulating few: lower
+bounds (:mod:`roundpipe.planning.sim.bounds`) skip candidates that cannot win and order
+the rest, then local moves refine the best (docs/design.md#partitioner).
 """
 
 from __future__ import annotations

@@ -1,19 +1,8 @@
 """GPU presets, half-precision modes and PCIe generations for model-level predictions.
 
-Numbers are the vendors' published dense (no sparsity) tensor-core FLOP/s, memory
-and memory bandwidth. Precision modes:
-
-- ``fp16-acc16``: fp16 inputs, fp16 accumulation;
-- ``fp16``: fp16 inputs, fp32 accumulation (PyTorch's default for fp16 matmuls);
-- ``bf16``: bf16 inputs, fp32 accumulation.
-
-GeForce cards run fp32-accumulate tensor math at half their fp16-accumulate rate;
-datacenter cards (A800, H100, H200) run all three at one rate. Flash attention always
-accumulates in fp32, so it runs at the fp32-accumulate rate whatever the mode.
-
-PCIe bandwidth is per direction of an x16 link, what pinned copies reach (about 80%
-of the signalling rate). The datacenter presets are the SXM parts (the A800 is the
-80 GB PCIe card); all reach the host over PCIe.
+Vendors' published dense tensor-core FLOP/s, memory and memory bandwidth; which rate a
+precision mode runs at on which card, and what a PCIe link delivers, are in
+docs/design.md#gpu-presets.
 """
 
 from __future__ import annotations

@@ -1,25 +1,9 @@
 """The shape of a decoder-only transformer, and the parameter counts that follow from it.
 
-A :class:`ModelSpec` comes from a named preset (the published configs of the models
-below, written from their ``config.json``; no hub downloads) or from any supported
-Hugging Face config (a dict or a ``transformers`` config object). Dense and
-mixture-of-experts (MoE) models are both described: an MoE layer has
-``num_experts`` experts of ``moe_intermediate_size`` (a SwiGLU MLP each) and a
-router that sends every token to ``experts_per_token`` of them.
-
-Counts the rest of the package relies on:
-
-- *total* parameters decide memory and weight uploads (every expert is held and
-  uploaded), *active* parameters decide compute (a token runs only its top-k
-  experts and the router); active counts the LM head but not the embedding, whose
-  lookup costs no FLOPs (the convention of the published "active" numbers);
-- a tied embedding is one parameter (held once on the host), but both pipeline
-  ends upload it, so ``upload_params`` counts it twice;
-- biases (gpt-oss has them on every projection) and attention sinks are counted;
-- ``window_layers`` layers attend to the last ``sliding_window`` tokens only;
-- LoRA adapters of rank r sit on the attention projections q, k, v, o and, in a
-  dense model, on the MLP projections gate, up, down (an MoE model's experts keep
-  no adapters, as PEFT's defaults for fused expert weights do).
+A :class:`ModelSpec` comes from a named preset (the published configs, no hub downloads)
+or from any supported Hugging Face config, dense or mixture-of-experts. Which counts
+decide memory, uploads and compute, and where LoRA adapters sit:
+docs/design.md#model-shapes.
 """
 
 from __future__ import annotations

@@ -1,38 +1,10 @@
 """Model-level prediction: "will it fit on my box, how fast, and against what?".
 
-From a model's shapes (:mod:`.model_specs`), a GPU (:mod:`.gpus`) and a workload,
-price every pipeline unit (:mod:`.unit_costs`), simulate RoundPipe with the automatic
-plan and the weight-bound baselines, and answer: tokens/s, per-GPU memory, host RAM,
-whether each fits, and the longest sequence that fits.
-
-Assumptions, stated:
-
-- An iteration of ``batch`` sequences is rounds (``forward_backward`` calls) of
-  ``R = ROUND_PER_GPU x N`` microbatches (N GPUs, ``microbatch_size`` sequences each;
-  ``round_size`` overrides R). Simulating hundreds of microbatches is slow, so one
-  round is simulated as an iteration, with the host optimizer's step scaled by the
-  round's share of the batch; rounds follow each other the same way inside and across
-  iterations (the optimizer is asynchronous), so tokens/s is the round's tokens over
-  the steady simulated round. The plan is the automatic one without refinement
-  (``refine=False``: seconds instead of minutes on big models). Baselines flush their
-  pipeline after those microbatches.
-- Every GPU copies over its own PCIe link (the simulator's link bandwidth), and all
-  copies and the CPU's work share the host memory: per round the host reads each
-  weight once per forward and once per backward pass, takes every gradient download
-  and adds it into the fp32 gradient (``GRAD_ACCUMULATE_BYTES``), carries the
-  activation hops (about two stages per GPU) and streams its share of the Adam step
-  (``ADAM_BYTES``). A round takes at least those bytes over ``host_bandwidth``; when
-  that is longer than the simulated round, the prediction says "host-memory bound".
-- Host RAM of RoundPipe: ``HOST_BYTES_TRAINABLE`` per trained parameter (two half
-  copies, the weights' two versions, fp32 master, fp32 gradient, Adam m and v), a
-  half copy of each frozen one, the saved stage inputs of a round. Baselines keep
-  weights, gradients and fp32 Adam state on their GPUs (Megatron-PP style).
-- ``optimizer_shards`` K (``--nodes``, :mod:`.predict_nodes`): each host steps 1/K of
-  the masters, so the step's time and the masters' and Adam state's RAM fall K-fold.
-- ``--lora R``: the base is frozen (no masters, Adam state, base gradients or their
-  downloads); the adapters (:mod:`.model_specs`) train.
-- A GPU's usable memory is ``MEMORY_HEADROOM`` of it (CUDA context, allocator), the
-  host's ``MEMORY_HEADROOM`` of its RAM (the OS, the data loader).
+From a model's shapes (:mod:`.model_specs`), a GPU (:mod:`.gpus`) and a workload, price
+every pipeline unit (:mod:`.unit_costs`), simulate RoundPipe with the automatic plan and
+the weight-bound baselines, and answer: tokens/s, per-GPU memory, host RAM, whether each
+fits, and the longest sequence that fits. The assumptions are stated in
+docs/design.md#prediction-assumptions.
 """
 
 from __future__ import annotations

@@ -1,28 +1,9 @@
 """Data parallelism across K RoundPipe nodes: predicted tokens/s and scaling efficiency.
 
-Each node is a box of N GPUs running RoundPipe (:mod:`.predict`) on its 1/K of the
-global batch, the K nodes joined by a network of ``gbps`` Gb/s per node, full duplex.
-Per iteration (issue 11's design):
-
-- the gradients are **reduce-scattered** by a ring: each node sends and receives
-  (K-1)/K of the trained parameters' gradient bytes (``grad_bytes`` per parameter: 4,
-  fp32, as the host accumulates; 2 with ``--grad-reduce-dtype bf16``);
-- each node steps its 1/K shard of the fp32 masters (the host step's time and the
-  masters' and Adam state's RAM fall K-fold; the fp32 gradient stays whole, rounds
-  accumulate into it), then the updated weights are **all-gathered** by a ring in the
-  model dtype: (K-1)/K of the trained parameters x 2 bytes;
-- every collective moves ``BUCKET_BYTES`` buckets, and each of a ring's K-1 steps per
-  bucket pays ``MESSAGE_LATENCY``; the link carries one collective at a time.
-
-Overlap, from the simulated iteration: a backward stage's gradients are final when
-the simulator's gradient download of the iteration's last round ends for it (reverse
-layer order, at the end of the round); its reduce-scatter starts then, in the order
-stages become final, and whatever ends after the last download is exposed. With the
-asynchronous (one-step-stale) step, the shard's step and the all-gather only have to
-end before the iteration after next uploads its weights: they overlap the next
-iteration, sharing the link with that iteration's own reduce-scatter; what does not
-fit in it is exposed. LoRA reduces and gathers only the adapters. The weight-bound
-baselines are not predicted across nodes.
+Each node runs RoundPipe (:mod:`.models`) on its 1/K of the global batch; the gradients
+are reduce-scattered and the updated weights all-gathered by rings over the network,
+overlapped with the simulated iteration where the schedule allows
+(docs/design.md#predicted-scaling).
 """
 
 from __future__ import annotations

@@ -1,32 +1,10 @@
 """Seconds and device bytes of each pipeline unit (embedding, decoder layer, head), from
 a model's shapes, a GPU and one microbatch of tokens.
 
-The terms, each priced at what bounds it on a GPU (the constants are calibrated once
-for all models against the published RoundPipe measurements, bench/README.md
-"Calibration"):
-
-- matmuls (projections, dense MLP, router, LM head, LoRA adapters): FLOPs at
-  ``MATMUL_EFFICIENCY`` of the precision's dense tensor peak (``--mfu`` overrides it);
-- attention (flash, causal; sliding-window layers see at most the window): FLOPs at
-  ``ATTENTION_EFFICIENCY`` of the fp32-accumulate peak; backward is 2.5x forward;
-- expert GEMMs of an MoE layer: each expert's FLOPs on its few tokens (tokens x top-k
-  / experts) *plus* reading its weights from device memory, a roofline sum that makes
-  small expert GEMMs slow, plus a fixed ``EXPERT_OVERHEAD`` per expert and pass (the
-  per-expert Python loop of Hugging Face's MoE layers);
-- elementwise work (Hugging Face's fp32 RMSNorm, rotary, SwiGLU, residuals, MoE gather
-  and combine, the loss over the vocabulary): bytes read and written per token,
-  counted op by op below, at ``MEMORY_EFFICIENCY`` of memory bandwidth; backward moves
-  twice the forward bytes.
-
-A layer's backward computes the weight gradient and the input gradient of every
-trainable matmul (2x forward FLOPs); a frozen one (the LoRA base) computes only the
-input gradient (1x). Recompute repeats the forward. The head's chunked loss
-recomputes each chunk's logits in backward, as :mod:`roundpipe.hf.decoder` does.
-
-Activation bytes are what autograd saves per token (fp16/bf16 values, Hugging Face's
-fp32 norms), a frozen linear without an adapter saving no input, plus the gradient
-buffers of one layer's backward; the calibrated ``ACTIVATION_FACTOR`` covers the
-allocator's caching and fragmentation and the temporaries counted here only once.
+Each term (matmuls, attention, expert GEMMs, elementwise bytes) is priced at what bounds
+it on a GPU, with constants calibrated once for all models against the published
+RoundPipe measurements (bench/README.md "Calibration"); the terms and what activation
+bytes count are in docs/design.md#unit-costs.
 """
 
 from __future__ import annotations

@@ -1,7 +1,21 @@
-"""The runtime that executes a lowered schedule on a device pool.
+"""The runtime: executes lowered schedules on a device pool, keeps the training state.
 
-``worker`` issues stage jobs to a device's streams, ``transfer`` moves pytrees between
-host and device, ``sync`` orders host-side hand-offs, ``params`` is the host home of
-weights, master copies and gradients, ``optimizer`` runs steps on a host thread, and
-``profiler`` / ``planner`` keep the automatic plan in step with measured layer times.
+The caller's side:
+
+- ``session``: calls and steps in flight, the only writer of the ``ledger``; failure
+  rules in ``failures``; Ctrl-C deferred by ``interrupts``; exit and GC in ``lifetime``.
+- ``call``: one call (frozen); ``inputs`` and ``microbatch``: its inputs, split and
+  copied, and its outputs merged; ``deferred``: ``model(x)`` wired to a later backward.
+
+The device side:
+
+- ``worker``: a device's prefetch, issue and completer threads; ``context``: the frozen
+  job context they hand down; ``prefetch``, ``issuer`` and ``stage_compute``: a job's
+  weight uploads, device ops and layer code; ``transfer``: pytrees between host and
+  device; ``layers``: meta-device shells bound to device tensors; ``sync``: handoffs,
+  gates and latches between threads.
+
+The host's state: ``params`` (weights, masters, gradients), ``versions`` (which weights
+a call reads), ``optimizer`` (steps on a host thread; ``optimizer_guard``), and
+``profiler`` (the measured costs the planner plans with).
 """

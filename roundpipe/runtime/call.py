@@ -24,15 +24,18 @@ from typing import Any
 import torch
 
 from ..core.config import RoundPipeRunConfig
-from ..core.keys import Activation, HandoffKey, InputGrad, Loss, Output, RngState
-from ..core.program import CallShape, recompute_inputs
+from ..core.keys import Activation, HandoffKey, InputGrad
+from ..core.program import CallShape, JobProgram, handoffs, readers, recompute_inputs
 from ..core.schedule import Job, JobKind, Schedule
 from ..devices import Slot
 from .sync import Handoff, Latch, Mailbox, wait_event
 from .versions import VersionState
 
+_BACKWARD = -1
+"""The claim of a deferred call's backward (job claims are schedule indices, >= 0)."""
 
-@dataclass
+
+@dataclass(frozen=True)
 class AutocastState:
     """The caller's autocast settings, re-entered on the threads that run layers."""
 
@@ -50,9 +53,12 @@ class AutocastState:
         return torch.autocast(self.device_type, dtype=self.dtype, enabled=self.enabled)
 
 
-@dataclass
+@dataclass(frozen=True, eq=False)
 class Call:
-    """One ``forward_backward`` (or forward-only) call in flight."""
+    """One ``forward_backward`` (or ``model(x)``) call: what it runs, on what, reading
+    which weights. Frozen; where the call stands is the session ledger's business
+    (:class:`~.ledger.CallState`). The mailbox, latch and claims are how its jobs and
+    its caller meet (each safe across threads)."""
 
     schedule: Schedule
     num_microbatches: int
@@ -72,25 +78,12 @@ class Call:
     """Position of this call among its model's calls (orders buffer write-backs)."""
     steps_before: int
     """Optimizer steps queued before this call; its gradients wait until they ran."""
-    loss_scale: float | None = None
-    """GradScaler scale the losses are multiplied by before backward (None: unscaled)."""
+    rewrites_before: int
+    """The session's count of rewrites of the user's tensors when the call started."""
     forward_only: bool = False
     mailbox: Mailbox = field(default_factory=Mailbox)
     latch: Latch = field(init=False)
-    returned: bool = False
-    """The caller got this call's result; unset, a finished call was interrupted or failed."""
-    issued: bool = False
-    """Every job of the call was handed to a worker."""
-    accumulated: bool = False
-    """Some gradient of this call reached the master copies."""
-    discarded_grads: bool = False
-    """The call failed after accumulating, and the gradients were discarded."""
-    rewrites_before: int = 0
-    """The session's count of rewrites of the user's tensors when the call started."""
-    backward_done: bool = False
-    """A deferred call's backward was issued (it cannot run twice)."""
-    owned_buffers: list = field(default_factory=list)
-    """Host copies of the caller's inputs and labels, returned to the pool when done."""
+    shape: CallShape = field(init=False)
 
     @classmethod
     def start(
@@ -124,20 +117,23 @@ class Call:
         return call
 
     def __post_init__(self) -> None:
-        self.latch = Latch(j.index for j in self.first_jobs)
-        self.recompute_inputs = recompute_inputs(
+        setattr_ = object.__setattr__
+        setattr_(self, "latch", Latch(j.index for j in self.first_jobs))
+        inputs = recompute_inputs(
             self.schedule, self.recompute_grain, self.forward_only, self.deferred
         )
-        self.shape = CallShape(
+        shape = CallShape(
             self.num_microbatches,
             self.recompute_grain,
-            self.recompute_inputs,
+            inputs,
             self.preserve_rng_state,
             self.return_outputs,
         )
-        self._expect_readers()
-        self._claims: set[int] = set()
-        self._claim_lock = threading.Lock()
+        setattr_(self, "shape", shape)
+        for key, count in readers(self.schedule, shape).items():
+            self.mailbox.expect(key, count)
+        setattr_(self, "_claims", set())
+        setattr_(self, "_claim_lock", threading.Lock())
 
     def read(self, key: HandoffKey) -> Any:
         """On the caller's thread: the value handed off under ``key``, once complete."""
@@ -152,22 +148,30 @@ class Call:
 
     def claim(self, job: Job) -> bool:
         """Whether the caller is the one to run ``job`` (a job runs at most once)."""
+        return self._claim(job.index)
+
+    def claim_backward(self) -> bool:
+        """Whether the caller is the one to run a deferred call's backward (at most once)."""
+        return self._claim(_BACKWARD)
+
+    @property
+    def backward_claimed(self) -> bool:
         with self._claim_lock:
-            if job.index in self._claims:
+            return _BACKWARD in self._claims
+
+    def _claim(self, what: int) -> bool:
+        with self._claim_lock:
+            if what in self._claims:
                 return False
-            self._claims.add(job.index)
+            self._claims.add(what)
             return True
 
-    def cancel_unclaimed(self, error: BaseException, on_cancel: Callable[[Job], None]) -> None:
-        """Fail every job nobody has started, so nothing waits for work never issued.
-
-        ``on_cancel(job)`` releases what others wait on besides the job's outputs.
-        """
+    def cancel_unclaimed(self, fail_job: Callable[[Job], None], error: BaseException) -> None:
+        """Fail every job nobody has started (``fail_job(job)``) and the caller's own
+        handoffs, so nothing waits for work never issued."""
         for job in self.schedule.jobs:
             if self.claim(job):
-                self.fail_outputs(job, error)
-                on_cancel(job)
-                self.latch.finish(job.index, error)
+                fail_job(job)
         for m in range(self.num_microbatches):
             self.mailbox.fail(Activation(0, m), error)
             self.mailbox.fail(InputGrad(self.schedule.plan.num_layers, m), error)
@@ -184,40 +188,11 @@ class Call:
         """The jobs dispatched when the call starts."""
         return self.schedule.forward_jobs if self.deferred else self.schedule.jobs
 
-    @property
-    def fused_start(self) -> int:
-        return self.schedule.plan.fused_range().start
-
-    def _expect_readers(self) -> None:
-        starts = [
-            j.layers.start for j in self.schedule.jobs if j.kind in (JobKind.FORWARD, JobKind.FUSED)
-        ]
-        for m in range(self.num_microbatches):
-            for layer in set(starts) | self.recompute_inputs:
-                readers = starts.count(layer) + (layer in self.recompute_inputs)
-                self.mailbox.expect(Activation(layer, m), readers)
-
-    def produced_keys(self, job: Job) -> list[HandoffKey]:
-        """The handoffs ``job`` posts; failed with its error if the job cannot."""
-        keys: list[HandoffKey] = []
-        for m in range(self.num_microbatches):
-            if job.kind is JobKind.FORWARD:
-                keys += [Activation(i, m) for i in self.forward_saves(job)]
-                keys.append(Activation(job.layers.stop, m))
-                keys += [RngState(i, m) for i in self.rng_layers(job)]
-            else:
-                if job.layers.start > 0:
-                    keys.append(InputGrad(job.layers.start, m))
-                if job.kind is JobKind.FUSED:
-                    keys += [Loss(m), Output(m)]
-        return keys
-
-    def forward_saves(self, job: Job) -> list[int]:
-        return self.shape.forward_saves(job)
-
-    def rng_layers(self, job: Job) -> list[int]:
-        return self.shape.rng_layers(job)
+    def handoffs(self, job: Job) -> JobProgram:
+        """``job``'s program as far as what it reads and produces (no weight ops)."""
+        return handoffs(job, self.shape)
 
     def fail_outputs(self, job: Job, error: BaseException) -> None:
-        for key in self.produced_keys(job):
+        """Make every reader of what ``job`` produces raise ``error``."""
+        for key in self.handoffs(job).produces:
             self.mailbox.fail(key, error)

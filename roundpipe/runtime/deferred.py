@@ -13,7 +13,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .call import Call
-from .session import Session
+from .session import Session, raise_second_backward
 from .versions import HOME
 
 
@@ -34,11 +34,8 @@ class _PipelineBackward(torch.autograd.Function):
 def check_backward_allowed(call: Call, session: Session) -> None:
     """Refuse a backward that PyTorch would refuse too: a second one through the same
     output, or one after the weights its forward read were changed."""
-    if call.backward_done:
-        raise RuntimeError(
-            "backward through the output of this model(x) call ran already; the "
-            "pipeline keeps no graph for a second one (retain_graph is not supported)"
-        )
+    if call.backward_claimed:
+        raise_second_backward()
     ledger = session.ledger
     rewritten = call.weights_buffer == HOME and ledger.rewrites != call.rewrites_before
     written = any(entry.externally_modified() for entry in session.store.entries.values())

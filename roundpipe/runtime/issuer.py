@@ -21,52 +21,37 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from ..core import program as P
-from ..core.keys import Activation, InputGrad, Loss, Output
+from ..core.keys import Activation, InputGrad, RngState, key_label
 from ..core.program import DeviceOp, JobProgram
-from ..core.schedule import Job, JobKind
+from ..core.schedule import JobKind
 from ..devices import Event, OpInfo, Slot, Stream
 from ..errors import failure_site
-from .call import Call
+from .context import JobContext
 from .prefetch import StageWeights
 from .profiler import TransferTiming
-from .stage_compute import StageCompute, take
+from .stage_compute import StageCompute
 from .sync import Handoff
 from .transfer import Shapes, Upload, download_tree, tree_bytes
-
-if TYPE_CHECKING:
-    from .worker import DeviceWorker
-
-
-def job_name(job: Job) -> str:
-    kind = {JobKind.FORWARD: "forward", JobKind.FUSED: "fused", JobKind.BACKWARD: "backward"}
-    return f"{kind[job.kind]} stage {job.stage} (layers {job.layers.start}-{job.layers.stop - 1})"
 
 
 class JobIssuer:
     """Issues one job's non-weight ops. Lives only while the job is being issued."""
 
-    def __init__(
-        self,
-        worker: DeviceWorker,
-        call: Call,
-        job: Job,
-        program: JobProgram,
-        weights: StageWeights,
-    ) -> None:
-        self.worker = worker
-        self.device = worker.device
-        self.call = call
-        self.job = job
+    def __init__(self, ctx: JobContext, program: JobProgram, weights: StageWeights) -> None:
+        self.ctx = ctx
+        self.device = ctx.device
+        self.call = ctx.call
+        self.job = ctx.job
         self.program = program
-        self.name = job_name(job)
-        self.mailbox = call.mailbox
+        self.name = ctx.name
+        self.mailbox = ctx.call.mailbox
         self.weights = weights.tensors  # (params by uid, buffers by uid) on the device
-        self.compute = StageCompute(self)
+        self.compute = StageCompute(ctx, self.weights)
         self.results: dict[int, Slot] = {}
         self.posted: dict[int, dict] = {}  # op -> the slots of the values it posts itself
         self.shapes: dict = {}  # key -> the slot of a downloaded value's shapes
@@ -77,10 +62,6 @@ class JobIssuer:
         """The job's timed transfers, for the profiler once the job has finished."""
         if program.weight_ops:
             self.events[program.weight_ops[-1].index] = weights.ready
-
-    @property
-    def timings(self) -> list:
-        return self.compute.timings
 
     def issue(self) -> None:
         for op in self.program.ops:
@@ -181,7 +162,7 @@ class JobIssuer:
         info = self.info(op, op.kind, f"{self.name} mb{op.microbatch}", op.layers)
         where = f"{self.name}, {op.kind} of microbatch {op.microbatch}"
         if len(op.layers) == 1:
-            where += f" ({self.worker.layers[op.layers.start]})"
+            where += f" ({self.ctx.worker.layers[op.layers.start]})"
         posted = self.posted[op.index] = {key: Slot() for key in op.posts}
         keys = [  # downloaded values that later jobs upload
             key
@@ -215,7 +196,15 @@ class JobIssuer:
 
     def forward(self, op: DeviceOp, stream: Stream) -> None:
         _, value = self.input_of(op, P.UPLOAD_INPUT)
-        self.run_compute(op, stream, lambda: self.compute.forward(op.microbatch, value))
+        stop = self.job.layers.stop
+        saves = frozenset(  # the inputs kept for recompute, besides the output
+            key.layer
+            for key in self.program.downloads.get(op.index, ())
+            if isinstance(key, Activation) and key.layer != stop
+        )
+        rng = frozenset(key.layer for key in op.posts if isinstance(key, RngState))
+        m = op.microbatch
+        self.run_compute(op, stream, lambda: self.compute.forward(m, value, saves, rng))
 
     def fused(self, op: DeviceOp, stream: Stream) -> None:
         _, value = self.input_of(op, P.UPLOAD_INPUT)
@@ -238,7 +227,7 @@ class JobIssuer:
 
         def incoming():
             if source.kind == P.UPLOAD_GRAD:
-                return take(grad)
+                return grad.take()
             return grad.value.pop(InputGrad(source.layers.start, op.microbatch))
 
         m = op.microbatch
@@ -262,7 +251,7 @@ class JobIssuer:
     def download_value(self, op: DeviceOp, stream: Stream) -> None:
         """One op copies each value of ``op.keys`` home, each timed on its own."""
         source, m = self.results[op.inputs[0]], op.microbatch
-        whats = [_WHAT[type(key)](key) for key in op.keys]
+        whats = [key_label(key) for key in op.keys]
         # Only forward jobs download activations: their output or saved stage inputs.
         timings = [
             self.download_timing(True, key.layer)
@@ -294,7 +283,7 @@ class JobIssuer:
         stream.submit(take_them, self.info(op, "bookkeeping", self.name))
 
     def take_grads(self, op: DeviceOp, stream: Stream) -> None:
-        slot, store = self.results[op.index], self.worker.store
+        slot, store = self.results[op.index], self.ctx.worker.store
 
         def take_them() -> None:
             params = self.weights.value[0]
@@ -311,16 +300,16 @@ class JobIssuer:
 
         def download() -> None:
             with failure_site(f"{self.name}: download of {what}"):
-                host.value = self.timed_download(timing, stream, take(source))
+                host.value = self.timed_download(timing, stream, source.take())
 
-        stream.submit(download, self.info(op, "download", f"{what} mbNone"))
+        stream.submit(download, self.info(op, "download", what))
         return Handoff(host, stream.record())
 
     def write_back(self, op: DeviceOp, stream: Stream) -> None:
-        layers = [self.worker.layers[i] for i in self.job.layers]
+        worker, call, job = self.ctx.worker, self.call, self.job
+        layers = [worker.layers[i] for i in job.layers]
         hosts = {uid: t for layer in layers for uid, t in layer.host_buffers().items()}
         downloaded = self.download_whole(op, stream, "buffers")
-        call, job, worker = self.call, self.job, self.worker
 
         def write_and_open_gates() -> None:
             try:
@@ -334,23 +323,23 @@ class JobIssuer:
             worker.open_buffer_gates(call, job)
             call.latch.fail(job.index, error)
 
-        worker.after([downloaded.event], write_and_open_gates, on_error=failed)
+        worker.after([downloaded.event], write_and_open_gates, failed)
 
     def download_grads(self, op: DeviceOp, stream: Stream) -> None:
         downloaded = self.download_whole(op, stream, "param grads")
-        call, job, worker = self.call, self.job, self.worker
+        worker, call, job, scale = self.ctx.worker, self.call, self.job, self.ctx.loss_scale
 
         def accumulate() -> None:
             # The optimizer may still be consuming the previous step's gradients.
             worker.versions.published.wait_for(call.steps_before)
             grads = downloaded.slot.value
             if grads:
-                call.accumulated = True
+                worker.accumulated(call)
             for uid, grad in grads.items():
-                worker.store.accumulate_grad(uid, grad, call.loss_scale)
+                worker.store.accumulate_grad(uid, grad, scale)
 
         worker.after(
-            [downloaded.event], accumulate, on_error=lambda error: call.latch.fail(job.index, error)
+            [downloaded.event], accumulate, lambda error: call.latch.fail(job.index, error)
         )
 
     def release(self, op: DeviceOp, stream: Stream) -> None:
@@ -359,13 +348,6 @@ class JobIssuer:
 
         stream.submit(release, self.info(op, "release", self.name))
 
-
-_WHAT = {
-    Activation: lambda key: f"act {key.layer}",
-    InputGrad: lambda key: "grad",
-    Loss: lambda key: "loss",
-    Output: lambda key: "output",
-}
 
 _HANDLERS: dict[str, Callable[[JobIssuer, DeviceOp, Stream], None]] = {
     P.UPLOAD_INPUT: JobIssuer.upload_input,

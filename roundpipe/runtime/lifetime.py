@@ -1,23 +1,31 @@
-"""The lifetime of a model's threads when nobody closes it (DESIGN.md §8).
+"""The lifetime of a model's threads when nobody closes it.
 
 An ``atexit`` hook, registered when the first session is built, drains and stops
 every open session before the interpreter tears down (so daemon threads are never
 caught inside torch code, which aborts the process); a ``weakref.finalize`` on each
-``RoundPipe`` stops the threads of one that was garbage-collected unclosed.
+``RoundPipe`` stops the threads of one that was garbage-collected unclosed. Either
+way the session's own :meth:`~.session.Session.shutdown` does the work
+(docs/design.md#threads-and-interrupts).
 """
 
 from __future__ import annotations
 
 import atexit
-import contextlib
 import sys
 import threading
 import warnings
 import weakref
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-if TYPE_CHECKING:
-    from .session import Session
+
+class Session(Protocol):
+    """What this module needs of a :class:`~.session.Session`."""
+
+    closed: bool
+
+    def shutdown(self) -> None:
+        """Drain and stop, swallowing every error."""
+
 
 _sessions: weakref.WeakSet[Session] | None = None
 
@@ -40,13 +48,13 @@ def _stop_all_at_exit() -> None:
     if not sessions:
         return
     stopper = threading.Thread(
-        target=lambda: [shutdown(s) for s in sessions], name="roundpipe-exit", daemon=True
+        target=lambda: [s.shutdown() for s in sessions], name="roundpipe-exit", daemon=True
     )
     try:
         stopper.start()
     except RuntimeError:  # Python 3.12+: no new threads at interpreter exit
         for session in sessions:
-            shutdown(session)
+            session.shutdown()
         return
     stopper.join(EXIT_DRAIN_LIMIT_S)
     if stopper.is_alive():
@@ -55,16 +63,6 @@ def _stop_all_at_exit() -> None:
             "exit; leaving it unfinished",
             file=sys.stderr,
         )
-
-
-def shutdown(session: Session) -> None:
-    """Drain and stop a session nobody closed, swallowing its errors (exit or GC)."""
-    if session.closed:
-        return
-    with contextlib.suppress(BaseException):  # nobody is left to report to
-        session.recover(None)
-        session.make_current()
-    session.stop_threads()
 
 
 def finalize_unclosed(session: Session) -> None:
@@ -78,8 +76,8 @@ def finalize_unclosed(session: Session) -> None:
         stacklevel=2,
     )
     # Draining may take a while: never on whichever thread the garbage collector ran.
-    stopper = threading.Thread(target=shutdown, args=(session,), name="roundpipe-finalizer")
+    stopper = threading.Thread(target=session.shutdown, name="roundpipe-finalizer")
     try:
         stopper.start()
     except RuntimeError:  # at interpreter exit, no new threads
-        shutdown(session)
+        session.shutdown()

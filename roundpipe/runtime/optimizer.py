@@ -1,10 +1,10 @@
-"""The host optimizer thread (DESIGN.md §5): runs ``step_fn`` once a step's gradients are in.
+"""The host optimizer thread: runs ``step_fn`` once a step's gradients are in.
 
 Steps run in the order they were queued. A step waits for every call since the
 previous step, runs the user's ``step_fn`` on the master copies, then publishes the
 masters as the step's weight version — whatever happened: a step whose calls
-failed is skipped (and the failed calls' gradients discarded), a failing
-``step_fn`` leaves the masters as it left them. The thread survives every error;
+failed is skipped (:mod:`.failures` decides what becomes of the gradients), a
+failing ``step_fn`` leaves the masters as it left them. The thread survives every error;
 each step's outcome is reported through its :class:`StepTask`.
 """
 
@@ -12,48 +12,55 @@ from __future__ import annotations
 
 import queue
 import threading
-from collections.abc import Callable
-from concurrent.futures import Future
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from typing import Protocol
 
 from torch.amp.grad_scaler import OptState
 
 from ..errors import failure_site, locate
+from . import failures
 from .call import Call
+from .ledger import CallState, StepTask
 from .params import ParameterStore
 from .versions import WeightVersions
 
 _STOP = object()
 
 
-@dataclass(eq=False)
-class StepTask:
-    """One queued ``step``: publishes weights ``version`` into upload ``buffer``."""
+class NodeSteps(Protocol):
+    """How steps go across nodes (implemented by :class:`roundpipe.cluster.NodeSync`)."""
 
-    step_fn: Callable[[], object]
-    calls: tuple[Call, ...]
-    version: int
-    buffer: int
-    done: Future = field(default_factory=Future)
-    """Resolves to the step's own error (``step_fn`` or publishing), or None."""
-    submitted: bool = False
-    _claimed: bool = False
-    _lock: threading.Lock = field(default_factory=threading.Lock)
+    def step(
+        self,
+        calls: tuple[Call, ...],
+        step_fn: Callable[[], BaseException | None],
+        discard: Callable[..., None],
+    ) -> BaseException | None:
+        """Reduce the gradients, agree, run ``step_fn`` (its error is returned); on a
+        failure anywhere ``discard(calls, reduced=True)`` instead."""
 
-    def claim(self) -> bool:
-        """Whether the caller is the one to run this step (queued twice, it runs once)."""
-        with self._lock:
-            claimed, self._claimed = self._claimed, True
-            return not claimed
+    def gather(self, buffer_of: Callable[[int], object]) -> None:
+        """Fill the weights other nodes own into ``buffer_of(uid)`` (a collective)."""
 
 
 class OptimizerThread:
-    def __init__(self, store: ParameterStore, versions: WeightVersions, grad_scaler=None) -> None:
+    def __init__(
+        self,
+        store: ParameterStore,
+        versions: WeightVersions,
+        grad_scaler,
+        node: NodeSteps | None,
+        state_of: Callable[[Call], CallState],
+        discarded: Callable[[Sequence[Call]], None],
+    ) -> None:
+        """``node``: on several nodes, what a step goes through; ``state_of`` and
+        ``discarded`` read and report call states to the session."""
         self.store = store
         self.versions = versions
         self.grad_scaler = grad_scaler
-        self.node = None
-        """On several nodes: the :class:`~roundpipe.cluster.NodeSync` a step goes through."""
+        self.node = node
+        self._state_of = state_of
+        self._discarded = discarded
         self._tasks: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._start_lock = threading.Lock()
@@ -96,18 +103,20 @@ class OptimizerThread:
         """Run the step unless a call before it failed; return ``step_fn``'s error."""
         if self.node is not None:
             try:
-                return self.node.step(task.calls, lambda: self._run_step_fn(task))
+                return self.node.step(task.calls, lambda: self._run_step_fn(task), self._discard)
             except BaseException as exc:  # noqa: BLE001 - a collective failed: reported
                 return exc
         failed = [call for call in task.calls if call.latch.wait() is not None]
         if failed:
             # The failed calls' errors reach the caller through the calls themselves.
-            if any(call.accumulated for call in failed):
-                self.store.discard_grads()
-                for call in failed:
-                    call.discarded_grads = True
+            self._discard(failed)
             return None
         return self._run_step_fn(task)
+
+    def _discard(self, calls: Sequence[Call], reduced: bool = False) -> None:
+        discarded = failures.discard_gradients(self.store, calls, self._state_of, reduced)
+        if discarded:
+            self._discarded(discarded)
 
     def _run_step_fn(self, task: StepTask) -> BaseException | None:
         scale = None

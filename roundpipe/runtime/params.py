@@ -1,4 +1,4 @@
-"""Host-memory home of the training state (DESIGN.md §2, §5).
+"""Host-memory home of the training state (docs/design.md#stateless-devices).
 
 For every unique parameter of the wrapped model: the user's parameter (model dtype,
 what devices upload), and for a trainable one an fp32 (``optim_dtype``) *master*
@@ -49,6 +49,14 @@ class ParamEntry:
         """Show the master's accumulated gradient on the user's parameter."""
         grad = None if self.master is None else self.master.grad
         self.param.grad = None if grad is None else grad.to(self.param.dtype, copy=True)
+
+
+def parameter_names(module: nn.Module) -> dict[int, str]:
+    """Each parameter's name in ``module``, by ``id`` (a tied one: its first name)."""
+    names: dict[int, str] = {}
+    for name, param in module.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), name)
+    return names
 
 
 class ParameterStore:
@@ -144,6 +152,18 @@ class ParameterStore:
                 acc.add_(_reference_grad(grad, entry.optim_dtype, scale))
             else:
                 _add_unscaled(acc, grad, scale)
+
+    def add_reduced_grad(self, uid: int, grad: torch.Tensor) -> None:
+        """On several nodes: add ``grad``, this node's share of the gradient summed across
+        nodes (``optim_dtype``, shaped like the parameter), into the master's ``.grad``;
+        with none yet, ``grad`` becomes it."""
+        entry = self.entries[uid]
+        assert entry.master is not None and grad.dtype == entry.optim_dtype
+        with self._grad_lock:
+            if entry.master.grad is None:
+                entry.master.grad = grad
+            else:
+                entry.master.grad.add_(grad)
 
     def scale_grads(self, factor: float) -> None:
         """Multiply every accumulated gradient by ``factor`` (to hand them to a GradScaler)."""

@@ -1,4 +1,4 @@
-"""Uploading a stage's weights ahead of its compute (DESIGN.md §6).
+"""Uploading a stage's weights ahead of its compute (docs/design.md#weight-prefetch).
 
 Runs on a device worker's *prefetch* thread, so a stage's upload is issued while
 the device still computes the stage before it. Two rules make this safe and fast on
@@ -24,19 +24,15 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 
 from ..core.program import UPLOAD_BUFFERS, JobProgram, job_program, plan_chunks
-from ..core.schedule import Job, JobKind
+from ..core.schedule import JobKind
 from ..devices import Event, OpInfo, Slot
 from ..errors import failure_site
-from .call import Call
+from .context import JobContext
 from .profiler import TransferTiming
-
-if TYPE_CHECKING:
-    from .worker import DeviceWorker
 
 
 @dataclass
@@ -51,11 +47,10 @@ class StageWeights:
     """The chunk uploads, timed for the profiler (read once the job has finished)."""
 
 
-def upload_stage_weights(
-    worker: DeviceWorker, call: Call, job: Job, name: str
-) -> tuple[JobProgram, StageWeights]:
-    """Lower ``job`` to its program, allocate its weights on the device now and issue
+def upload_stage_weights(ctx: JobContext) -> tuple[JobProgram, StageWeights]:
+    """Lower the job to its program, allocate its weights on the device now and issue
     the program's weight ops."""
+    worker, call, job, name = ctx.worker, ctx.call, ctx.job, ctx.name
     device, store, versions = worker.device, worker.store, worker.versions
     stream = device.weight_upload
     versions.published.wait_for(call.weights_version)
@@ -81,10 +76,7 @@ def upload_stage_weights(
 
     numels = [t.numel() for t in sources]
     pieces = plan_chunks(numels, [t.element_size() for t in sources], call.chunk_bytes)
-    writes_back = job.kind is not JobKind.BACKWARD and any(
-        i in worker.buffer_gates for i in job.layers
-    )
-    program = job_program(job, call.shape, len(pieces), bool(buffers), writes_back)
+    program = job_program(job, call.shape, len(pieces), bool(buffers), worker.writes_back(job))
 
     def upload_chunk(chunk, timing: TransferTiming) -> None:
         # The chunk's tensors are copied as one transfer, timed as one.

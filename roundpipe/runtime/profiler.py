@@ -1,4 +1,5 @@
-"""Per-layer timings measured while training, smoothed, for the partitioner (DESIGN.md §6).
+"""Per-layer timings and link costs measured while training, smoothed, for the planner
+(docs/design.md#automatic-planning).
 
 Forward and recompute times are measured layer by layer (device timers around each
 layer's kernels). A backward stage's backward is one autograd call, so its time is

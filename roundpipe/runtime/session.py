@@ -1,64 +1,39 @@
 """The caller's side of a RoundPipe model: calls and steps in flight, failures, lifetime.
 
-Everything a public method changes lives in one immutable :class:`_Ledger` that is
+Everything a public method changes lives in one immutable :class:`~.ledger.Ledger`,
 replaced by a single assignment *before* the work it announces is handed to a
-thread, and every public method first :meth:`Session.repair` s the background to
-match it (jobs of a call whose issuing was cut short are cancelled, a step that
-was recorded but not queued is queued). So an interrupt at any line leaves a
-model that the next call, ``synchronize()`` or ``close()`` can use: nothing ever
-waits for work that was never issued.
-
-Failure rules (one place, wherever an error surfaces):
-
-- the gradients of a failed call never reach a step: a queued step whose calls
-  include a failed one is skipped (the optimizer thread discards the gradients);
-  a failed call since the last step makes :meth:`recover` discard them — in both
-  cases only if the failed call accumulated any;
-- a call interrupted before it returned counts as failed, silently;
-- a failing ``step_fn`` keeps the gradients (retry the step, as in PyTorch).
+thread; the session is its only writer (threads that learn something about a call,
+such as "it accumulated gradients", report it through a callable the session gave
+them). Every public method first :meth:`Session.repair` s the background to match
+the ledger (jobs of a call whose issuing was cut short are cancelled, a step that
+was recorded but not queued is queued). So an interrupt at any line leaves a model
+that the next call, ``synchronize()`` or ``close()`` can use: nothing ever waits for
+work that was never issued. What a failure does to gradients is :mod:`.failures`'
+business (docs/design.md#calls-and-sessions).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
-from collections.abc import Callable
-from dataclasses import dataclass, replace
-from typing import Any, NoReturn
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+from typing import NoReturn
 
-import torch
-from torch import nn
-
-from ..core.schedule import Job
 from ..devices import DevicePool
 from ..errors import RoundPipeError
-from . import interrupts, lifetime
+from . import failures, interrupts, lifetime
 from .call import Call
 from .inputs import HostBufferPool
 from .layers import LayerBinding
-from .optimizer import OptimizerThread, StepTask
+from .ledger import INTERRUPTED, ISSUING, RETURNED, RUNNING, CallState, Ledger, LedgerCell, StepTask
+from .optimizer import NodeSteps, OptimizerThread
 from .params import ParameterStore
 from .profiler import LayerProfiler
 from .sync import VersionGate, wait_future
-from .versions import VersionState, WeightVersions
+from .versions import WeightVersions
 from .worker import DeviceWorker
-
-
-class CallInterrupted(RoundPipeError):
-    """Cancels the jobs of a call whose issuing was interrupted."""
-
-
-@dataclass(frozen=True)
-class _Ledger:
-    in_flight: tuple[Call, ...] = ()
-    since_step: tuple[Call, ...] = ()
-    """Calls whose gradients the next step applies (finished good ones are dropped)."""
-    steps: tuple[StepTask, ...] = ()
-    versions: VersionState = VersionState()
-    next_seq: int = 0
-    rewrites: int = 0
-    """How often the user's tensors were rewritten with nothing in flight (adoption,
-    ``make_current``): a deferred backward must recompute with what its forward read."""
 
 
 class Session:
@@ -69,53 +44,77 @@ class Session:
         pool: DevicePool,
         owns_pool: bool,
         store: ParameterStore,
-        versions: WeightVersions,
-        workers: list[DeviceWorker],
-        optimizer: OptimizerThread,
-        inputs: HostBufferPool,
-    ) -> None:
-        self.pool = pool
-        self.owns_pool = owns_pool
-        self.store = store
-        self.versions = versions
-        self.workers = workers
-        self.optimizer = optimizer
-        self.inputs = inputs
-        self.ledger = _Ledger()
-        self.closed = False
-        self.driver: dict[str, Any] = {}
-        """The thread inside a public method (``"thread"``) and how deeply (``"depth"``)."""
-        lifetime.live_sessions().add(self)
-
-    @classmethod
-    def build(
-        cls,
-        model: nn.Module,
         layers: list[LayerBinding],
-        pool: DevicePool,
-        owns_pool: bool,
-        optim_dtype: torch.dtype | None,
         pin_model: str,
         grad_scaler,
         profiler: LayerProfiler,
-        names_from: torch.nn.Module | None = None,
-    ) -> Session:
-        """The host state and threads (not started yet) of a model wrapped on ``pool``;
-        parameters are named as ``names_from`` (default: ``model``) names them."""
-        names: dict[int, str] = {}
-        for name, param in (names_from or model).named_parameters(remove_duplicate=False):
-            names.setdefault(id(param), name)
+        node: NodeSteps | None = None,
+    ) -> None:
+        """The host state and threads (started on first use) of a model wrapped on
+        ``pool`` whose parameters ``store`` holds; ``node``: on several nodes, what its
+        steps go through."""
+        self.pool = pool
+        self.owns_pool = owns_pool
+        self.store = store
         pin = functools.partial(pool.pin, mode=pin_model)
-        store = ParameterStore(layers, names, optim_dtype, pin=pin)
-        versions = WeightVersions(store, pin)
+        self.versions = WeightVersions(store, pin, node.gather if node is not None else None)
         buffer_gates = {layer.index: VersionGate(0) for layer in layers if layer.buffer_uids}
-        workers = [
-            DeviceWorker(device, layers, store, versions, buffer_gates, profiler) for device in pool
+        self.workers = [
+            DeviceWorker(
+                device, layers, store, self.versions, buffer_gates, profiler, self._accumulated
+            )
+            for device in pool
         ]
+        self.optimizer = OptimizerThread(
+            store, self.versions, grad_scaler, node, self.state_of, self._discarded
+        )
         input_pin = functools.partial(pool.pin, mode="off" if pin_model == "off" else "alloc")
-        optimizer = OptimizerThread(store, versions, grad_scaler)
-        inputs = HostBufferPool(input_pin)
-        return cls(pool, owns_pool, store, versions, workers, optimizer, inputs)
+        self.inputs = HostBufferPool(input_pin)
+        self._ledger = LedgerCell()
+        self.closed = False
+        self.driver: dict = {}
+        """The thread inside a public method (``"thread"``) and how deeply (``"depth"``)."""
+        lifetime.live_sessions().add(self)
+
+    # -- the only writer of the ledger ---------------------------------------------------
+
+    @property
+    def ledger(self) -> Ledger:
+        return self._ledger.value
+
+    def _write(self, **changes) -> None:
+        self._ledger.change(lambda ledger: replace(ledger, **changes))
+
+    def _set_state(self, call: Call, **changes) -> None:
+        def change(ledger: Ledger) -> Ledger:
+            if call not in ledger.in_flight:
+                return ledger
+            return ledger.with_state(call, **changes)
+
+        self._ledger.change(change)
+
+    def state_of(self, call: Call) -> CallState:
+        return self.ledger.state(call)
+
+    def _accumulated(self, call: Call) -> None:
+        """From a completer thread: some gradient of ``call`` reached the masters."""
+        if not self.ledger.state(call).accumulated:
+            self._set_state(call, accumulated=True)
+
+    def _discarded(self, calls: Sequence[Call]) -> None:
+        """From the optimizer thread: the gradients ``calls`` accumulated were discarded."""
+        for call in calls:
+            self._set_state(call, discarded=True)
+
+    def returned(self, call: Call) -> None:
+        """The caller got ``call``'s result."""
+        self._set_state(call, phase=RETURNED)
+
+    def interrupted_since(self, seq: int) -> None:
+        """An interrupt reached the caller after the calls from ``seq`` on were issued."""
+        for call in self.ledger.in_flight:
+            if call.seq >= seq:
+                self._set_state(call, phase=INTERRUPTED)
 
     # -- who may drive the model ---------------------------------------------------------
 
@@ -133,27 +132,29 @@ class Session:
         """Cancel jobs of calls whose issuing was cut short; queue recorded steps."""
         ledger = self.ledger
         for call in ledger.in_flight:
-            if not call.issued:
-                error = CallInterrupted("the call was interrupted while its jobs were issued")
-                call.cancel_unclaimed(error, self._open_gates_of(call))
+            if ledger.state(call).phase == ISSUING:
+                error = failures.CallInterrupted(
+                    "the call was interrupted while its jobs were issued"
+                )
+                call.cancel_unclaimed(self._fail_job_of(call, error), error)
         for task in ledger.steps:
             if not task.submitted:
                 self.optimizer.submit(task)
 
-    def _open_gates_of(self, call: Call):
-        return lambda job: self.workers[job.device].open_buffer_gates(call, job)
+    def _fail_job_of(self, call: Call, error: BaseException):
+        return lambda job: self.workers[job.device].fail_job(call, job, error)
 
     def settle(self) -> None:
         """Before new work: clean up after interrupted calls, raise finished failures,
         and forget finished calls and steps (O(1) per call: they finish in order)."""
         self.repair()
         ledger = self.ledger
-        if any(not call.returned for call in ledger.in_flight):
+        if any(not ledger.state(call).returned for call in ledger.in_flight):
             self.fail_if(self.recover(None))  # an interrupted call: discard, silently
             return
         in_flight, steps = list(ledger.in_flight), list(ledger.steps)
         finished: list[Call] = []
-        while in_flight and in_flight[0].latch.done and in_flight[0].returned:
+        while in_flight and in_flight[0].latch.done:
             if in_flight[0].latch.error is not None:
                 self.fail(None)
             finished.append(in_flight.pop(0))
@@ -161,48 +162,52 @@ class Session:
             if steps[0].done.result() is not None:
                 self.fail(None)
             steps.pop(0)
-        since_step = tuple(
-            c for c in ledger.since_step if not (c.latch.done and c.returned and not c.failed)
+        since_step = tuple(c for c in ledger.since_step if not (c.latch.done and not c.failed))
+        buffers = [ledger.state(call).owned_buffers for call in finished]
+        self._ledger.change(
+            lambda now: replace(
+                now, in_flight=tuple(in_flight), steps=tuple(steps), since_step=since_step
+            ).pruned()
         )
-        self.ledger = replace(
-            ledger, in_flight=tuple(in_flight), steps=tuple(steps), since_step=since_step
-        )
-        self._recycle(finished)
+        for owned in buffers:
+            self.inputs.give_back(list(owned))
 
-    def _recycle(self, calls: list[Call]) -> None:
-        for call in calls:
-            buffers, call.owned_buffers = call.owned_buffers, []
-            self.inputs.give_back(buffers)
+    # -- calls and steps -----------------------------------------------------------------
 
-    # -- calls and steps ---------------------------------------------------------------------
-
-    def issue(self, call: Call) -> None:
+    def issue(self, call: Call, loss_scale: float | None, owned_buffers: list) -> None:
         """Record ``call`` in flight, then hand its first jobs to the workers."""
         ledger = self.ledger
         since_step = ledger.since_step if call.forward_only else (*ledger.since_step, call)
-        self.ledger = replace(
-            ledger,
-            in_flight=(*ledger.in_flight, call),
-            since_step=since_step,
-            next_seq=call.seq + 1,
+        self._ledger.change(
+            lambda now: replace(
+                now.with_state(call, phase=ISSUING, owned_buffers=tuple(owned_buffers)),
+                in_flight=(*ledger.in_flight, call),
+                since_step=since_step,
+                next_seq=call.seq + 1,
+            )
         )
         for job in call.first_jobs:
-            self.workers[job.device].submit(call, job)
-        call.issued = True
+            self.workers[job.device].submit(call, job, loss_scale)
+        self._set_state(call, phase=RUNNING)
 
-    def issue_more(self, call: Call, jobs: tuple[Job, ...]) -> None:
-        """Dispatch ``jobs`` of a call already started (a deferred backward)."""
-        call.issued = False
+    def issue_backward(self, call: Call, loss_scale: float | None) -> None:
+        """Dispatch the backward jobs of a deferred call (a ``model(x)`` output's
+        ``.backward()``), once: a second one raises."""
+        if not call.claim_backward():
+            raise_second_backward()
+        jobs = call.schedule.backward_jobs
         call.latch.add(job.index for job in jobs)
         ledger = self.ledger
-        self.ledger = replace(
-            ledger,
-            in_flight=_with(ledger.in_flight, call),
-            since_step=_with(ledger.since_step, call),
+        self._ledger.change(
+            lambda now: replace(
+                now.with_state(call, phase=ISSUING),
+                in_flight=_with(ledger.in_flight, call),
+                since_step=_with(ledger.since_step, call),
+            )
         )
         for job in jobs:
-            self.workers[job.device].submit(call, job)
-        call.issued = True
+            self.workers[job.device].submit(call, job, loss_scale)
+        self._set_state(call, phase=RUNNING)
 
     def queue_step(self, step_fn, is_async: bool) -> StepTask:
         ledger = self.ledger
@@ -213,11 +218,11 @@ class Session:
             version=versions.newest,
             buffer=versions.home_of(versions.newest),
         )
-        self.ledger = replace(ledger, since_step=(), steps=(*ledger.steps, task), versions=versions)
+        self._write(since_step=(), steps=(*ledger.steps, task), versions=versions)
         self.optimizer.submit(task)
         return task
 
-    # -- failures ----------------------------------------------------------------------------
+    # -- failures ------------------------------------------------------------------------
 
     def fail(self, error: BaseException | None, step_error: bool = False) -> NoReturn:
         """Recover from a failure, then raise it (or the first one found)."""
@@ -242,32 +247,31 @@ class Session:
         for call in ledger.in_flight:
             call.latch.wait()
         outcomes = [wait_future(task.done) for task in ledger.steps]
+        ledger = self.ledger  # the states, now final
         step_errors = [e for e in outcomes if e is not None]
         reportable = [error] if error is not None else []
         reportable += step_errors  # before calls' errors, which may be their consequence
-        reportable += [c.latch.error for c in ledger.in_flight if c.returned and c.failed]
-        failed = [c for c in ledger.since_step if c.failed or not c.returned]
-        discard = any(c.accumulated for c in failed)
+        reportable += [
+            c.latch.error for c in ledger.in_flight if ledger.state(c).returned and c.failed
+        ]
+        failed = [c for c in ledger.since_step if failures.failed(c, ledger.state(c))]
+        discarded_now = failures.discard_gradients(self.store, failed, ledger.state)
         self.pool.clear_errors()
         if self.versions.published.failed:
             self.versions.republish(ledger.versions)
-        if discard:
-            self.store.discard_grads()
-        discarded = discard or any(c.discarded_grads for c in ledger.in_flight)
-        self.ledger = replace(ledger, in_flight=(), since_step=(), steps=())
-        self._recycle(list(ledger.in_flight))
+        discarded = bool(discarded_now) or any(ledger.state(c).discarded for c in ledger.in_flight)
+        buffers = [ledger.state(call).owned_buffers for call in ledger.in_flight]
+        self._write(in_flight=(), since_step=(), steps=(), states={})
+        for owned in buffers:
+            self.inputs.give_back(list(owned))
         if not reportable:
             return None
         first = reportable[0]
-        if discarded:
-            _note(first, "the gradients accumulated since the last step were discarded")
-        elif first in step_errors or step_error:
-            _note(first, "the gradients were kept; step() again to retry")
-        else:
-            _note(first, "the gradients accumulated since the last step were kept")
+        kept_for_retry = first in step_errors or step_error
+        failures.note_usable_again(first, discarded, kept_for_retry)
         return first
 
-    # -- lifetime ----------------------------------------------------------------------------
+    # -- lifetime ------------------------------------------------------------------------
 
     def synchronize(self) -> None:
         """Drain everything, then :meth:`make_current`; raise a failure found meanwhile."""
@@ -280,19 +284,32 @@ class Session:
         the user made into them are adopted instead), and the next call reads them."""
         ledger = self.ledger
         state, rewritten = self.versions.make_current(ledger.versions)
-        self.ledger = replace(ledger, versions=state, rewrites=ledger.rewrites + rewritten)
+        self._write(versions=state, rewrites=ledger.rewrites + rewritten)
 
     def close(self) -> BaseException | None:
-        """Drain, stop every thread, and return the first unreported failure."""
+        """Drain, stop every thread, and return the first unreported failure.
+        Interrupted while draining, the threads keep running: close again."""
         if self.closed:
             return None
-        error = None
         try:
-            error = self.recover(None)
-            self.make_current()  # the wrapped model keeps the newest weights
+            error = self._drain()
         except Exception as exc:  # noqa: BLE001 - the threads are stopped regardless
             error = exc
         self.stop_threads()
+        return error
+
+    def shutdown(self) -> None:
+        """Drain and stop, swallowing every error: nobody is left to report to (the
+        interpreter exits, or the model was garbage-collected unclosed)."""
+        if self.closed:
+            return
+        with contextlib.suppress(BaseException):
+            self._drain()
+        self.stop_threads()
+
+    def _drain(self) -> BaseException | None:
+        error = self.recover(None)
+        self.make_current()  # the wrapped model keeps the newest weights
         return error
 
     def stop_threads(self) -> None:
@@ -365,18 +382,16 @@ class _Driving:
             driver.pop("thread", None)
         deliver = self._undefer()
         if deliver is not None and exc_type is None:
-            for call in self.session.ledger.in_flight:
-                if call.seq >= self.first_seq:
-                    call.returned = False
+            self.session.interrupted_since(self.first_seq)
             deliver()
+
+
+def raise_second_backward() -> NoReturn:
+    raise RuntimeError(
+        "backward through the output of this model(x) call ran already; the "
+        "pipeline keeps no graph for a second one (retain_graph is not supported)"
+    )
 
 
 def _with(calls: tuple[Call, ...], call: Call) -> tuple[Call, ...]:
     return calls if call in calls else (*calls, call)
-
-
-def _note(error: BaseException, text: str) -> None:
-    if getattr(error, "roundpipe_noted", False) or not hasattr(error, "add_note"):
-        return
-    error.add_note(f"roundpipe: the model is usable again ({text})")
-    error.roundpipe_noted = True  # type: ignore[attr-defined]

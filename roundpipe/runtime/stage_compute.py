@@ -8,41 +8,37 @@ values other ops download or read, or the recompute's ``(inputs, outputs)`` grap
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from ..core.keys import Activation, InputGrad, Loss, Output, RngState
 from ..devices import OpInfo, Slot, Timer
 from ..errors import failure_site
+from .context import JobContext
 from .transfer import grads_of_inputs, inplace_safe, pair_outputs_with_grads
-
-if TYPE_CHECKING:
-    from .issuer import JobIssuer
-
-
-def take(slot: Slot) -> Any:
-    """The value of ``slot``, emptied so device memory is freed as soon as possible."""
-    value, slot.value = slot.value, None
-    return value
 
 
 class StageCompute:
     """Runs a job's layers on its device; records layer timings for the profiler."""
 
-    def __init__(self, issuer: JobIssuer) -> None:
-        self.issuer = issuer
-        self.device = issuer.device
-        self.call = issuer.call
-        self.job = issuer.job
-        self.layers = issuer.worker.layers
+    def __init__(self, ctx: JobContext, weights: Slot) -> None:
+        self.ctx = ctx
+        self.device = ctx.device
+        self.call = ctx.call
+        self.job = ctx.job
+        self.name = ctx.name
+        self.layers = ctx.worker.layers
+        self.weights = weights
+        """(parameters by uid, buffers by uid) on the device."""
         self.timings: list[tuple[str, tuple[int, ...], Timer]] = []
 
-    def forward(self, m: int, value: Slot) -> dict:
-        job, call, shape = self.job, self.call, self.call.shape
-        saves, rng = set(shape.forward_saves(job)), set(shape.rng_layers(job))
+    def forward(self, m: int, value: Slot, saves: frozenset[int], rng: frozenset[int]) -> dict:
+        """Run the job's layers; hands over the output, the inputs of the layers in
+        ``saves`` (kept for recompute) and the RNG states before those in ``rng``."""
+        job, call = self.job, self.call
         out: dict = {}
-        x = take(value)
+        x = value.take()
         with torch.no_grad(), call.autocast.scope():
             for i in job.layers:
                 if i in rng:
@@ -55,17 +51,18 @@ class StageCompute:
 
     def fused(self, m: int, value: Slot, label: Slot) -> dict:
         job, call = self.job, self.call
-        inputs, target = take(value), take(label)
+        inputs, target = value.take(), label.take()
         with torch.enable_grad():
             with call.autocast.scope():
                 x = inplace_safe(inputs)
                 for i in job.layers:
                     x = self.run_layer(i, x, m, "forward")
-                with failure_site(f"loss_fn in {self.issuer.name}, microbatch {m}"):
+                with failure_site(f"loss_fn in {self.name}, microbatch {m}"):
                     loss = call.loss_fn(x[0][0], target)
                     _check_loss(loss)
-            scaled = loss if call.loss_scale is None else loss * call.loss_scale
-            with failure_site(f"{self.issuer.name}, backward of microbatch {m}"):
+            scale = self.ctx.loss_scale
+            scaled = loss if scale is None else loss * scale
+            with failure_site(f"{self.name}, backward of microbatch {m}"):
                 self.timed("backward", job.layers, scaled.backward)
         out = {Loss(m): loss.detach(), Output(m): x[0][0] if call.return_outputs else None}
         if job.layers.start > 0:
@@ -74,7 +71,7 @@ class StageCompute:
 
     def recompute(self, m: int, layers: range, value: Slot, rng: Slot | None) -> tuple:
         call = self.call
-        inputs = take(value)
+        inputs = value.take()
         with torch.enable_grad(), call.autocast.scope():
             current = self.device.get_rng_state() if rng is not None else None
             if rng is not None:
@@ -89,7 +86,7 @@ class StageCompute:
         return inputs, x
 
     def backward(self, m: int, layers: range, graph: Slot, incoming: Callable[[], Any]) -> dict:
-        inputs, outputs = take(graph)
+        inputs, outputs = graph.take()
         tensors, grads = pair_outputs_with_grads(outputs, incoming())
         if tensors:
             self.timed("backward", layers, lambda: torch.autograd.backward(tensors, grads))
@@ -108,12 +105,12 @@ class StageCompute:
 
     def run_layer(self, index: int, value, m: int, kind: str):
         layer = self.layers[index]
-        params, buffers = self.issuer.weights.value
+        params, buffers = self.weights.value
         shell = layer.shell(self.device.index)
         layer.bind(shell, params, buffers, check_on_device=self.device.is_on_device)
         args, kwargs = value
         try:
-            with failure_site(f"{layer} in {self.issuer.name}, microbatch {m}"):
+            with failure_site(f"{layer} in {self.name}, microbatch {m}"):
                 output = self.timed(kind, range(index, index + 1), lambda: shell(*args, **kwargs))
                 return ((output,), {})
         finally:

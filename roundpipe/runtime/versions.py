@@ -63,12 +63,17 @@ class VersionState:
 class WeightVersions:
     """The upload buffers of every trainable parameter and the 'version published' gate."""
 
-    def __init__(self, store: ParameterStore, pin: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    def __init__(
+        self,
+        store: ParameterStore,
+        pin: Callable[[torch.Tensor], torch.Tensor],
+        gather: Callable[[Callable[[int], torch.Tensor]], None] | None = None,
+    ) -> None:
         self.store = store
         self._pin = pin
         self._spares: dict[int, torch.Tensor] = {}
         self.published = VersionGate(0)
-        self.gather: Callable[[Callable[[int], torch.Tensor]], None] | None = None
+        self.gather = gather
         """On several nodes: fills the weights other nodes own into the buffer being
         published, given ``uid -> that buffer's tensor`` (a collective)."""
 

@@ -14,8 +14,10 @@ follow device work (accumulating downloaded gradients, writing back buffers, not
 job finished) goes to the *completer* thread, which waits on the events first. The
 threads survive every error: an error is handed to the call it belongs to.
 
-The threads hold the worker, never the ``RoundPipe`` that owns it, so an unclosed
-model can still be collected (its session then stops them).
+A job's code gets a frozen :class:`~.context.JobContext`, never the worker. The threads
+hold the worker, never the ``RoundPipe`` that owns it, so an unclosed model can still
+be collected (its session then stops them). A failed job goes through one path,
+:meth:`DeviceWorker.fail_job`.
 """
 
 from __future__ import annotations
@@ -24,15 +26,16 @@ import collections
 import contextlib
 import queue
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from ..core.program import JobProgram
-from ..core.schedule import Job, JobKind
+from ..core.schedule import Job
 from ..devices import Device, Event
 from ..errors import locate
 from .call import Call
-from .issuer import JobIssuer, job_name
+from .context import JobContext, WorkerContext
+from .issuer import JobIssuer
 from .layers import LayerBinding
 from .params import ParameterStore
 from .prefetch import StageWeights, upload_stage_weights
@@ -48,8 +51,7 @@ MAX_PREFETCH = 4
 class DeviceJob:
     """One job on this device, handed from the prefetch thread to the issue thread."""
 
-    call: Call
-    job: Job
+    ctx: JobContext
     claimed: bool = False
     program: JobProgram | None = None
     weights: StageWeights | None = None
@@ -76,18 +78,24 @@ class DeviceWorker:
         layers: list[LayerBinding],
         store: ParameterStore,
         versions: WeightVersions,
-        buffer_gates: dict[int, VersionGate],
+        buffer_gates: Mapping[int, VersionGate],
         profiler: LayerProfiler,
+        accumulated: Callable[[Call], None],
     ) -> None:
         self.device = device
-        self.layers = layers
-        self.store = store
-        self.versions = versions
         self.profiler = profiler
-        self.buffer_gates = buffer_gates
         self._prefetches: queue.SimpleQueue = queue.SimpleQueue()
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
-        self._followups: queue.SimpleQueue = queue.SimpleQueue()
+        followups = self._followups = queue.SimpleQueue()
+        self.context = WorkerContext(
+            device,
+            tuple(layers),
+            store,
+            versions,
+            buffer_gates,
+            lambda events, fn, on_error: followups.put((events, fn, on_error)),
+            accumulated,
+        )
         self._threads: list[threading.Thread] = []
         self._start_lock = threading.Lock()
         # The last jobs prefetched: the memory bound waits on the one that far back.
@@ -123,41 +131,28 @@ class DeviceWorker:
                 thread.join()
             self._threads = []
 
-    def submit(self, call: Call, job: Job) -> None:
+    def submit(self, call: Call, job: Job, loss_scale: float | None) -> None:
+        """Queue ``job`` of ``call`` (its losses multiplied by ``loss_scale``)."""
         self.start()
-        record = DeviceJob(call, job)
+        record = DeviceJob(JobContext(self.context, call, job, loss_scale))
         self._prefetches.put(record)
         self._jobs.put(record)
 
-    def after(
-        self,
-        events: list[Event],
-        fn: Callable[[], None],
-        on_error: Callable[[BaseException], None],
-    ) -> None:
-        """Run ``fn`` on the completer thread once ``events`` completed; on an error
-        (of the events or of ``fn``) run ``on_error(error)`` instead."""
-        self._followups.put((events, fn, on_error))
-
-    def open_buffer_gates(self, call: Call, job: Job) -> None:
-        """Let later calls read the buffers of ``job``'s layers (it will not write them)."""
-        if job.kind is not JobKind.BACKWARD:
-            for index in job.layers:
-                if index in self.buffer_gates:
-                    self.buffer_gates[index].advance_to(call.seq + 1)
+    # -- one job -------------------------------------------------------------------------
 
     def prefetch(self, record: DeviceJob) -> None:
         """On the prefetch thread: claim the job and issue its weights within the bound."""
-        call, job = record.call, record.job
+        ctx = record.ctx
         try:
-            if not call.claim(job):
+            if not ctx.call.claim(ctx.job):
                 return  # cancelled after an interrupt, or already run
             record.claimed = True
-            if len(self._prefetched) > call.prefetch_stages:
-                self._prefetched[-call.prefetch_stages - 1].wait_until_finished()
-            record.program, record.weights = upload_stage_weights(self, call, job, job_name(job))
+            depth = ctx.call.prefetch_stages
+            if len(self._prefetched) > depth:
+                self._prefetched[-depth - 1].wait_until_finished()
+            record.program, record.weights = upload_stage_weights(ctx)
         except BaseException as exc:  # noqa: BLE001 - handed to the issue thread
-            record.error = locate(exc, f"{job_name(job)} on device {self.device!r}")
+            record.error = locate(exc, f"{ctx.name} on device {self.device!r}")
         finally:
             self._prefetched.append(record)
             record.prefetched.set()
@@ -168,41 +163,50 @@ class DeviceWorker:
         if not record.claimed:
             record.issued.set()
             return
-        call, job = record.call, record.job
+        ctx = record.ctx
         error = record.error
-        timings: list = []
-        transfers: list = []
+        issuer = None
         if error is None:
-            issuer = JobIssuer(self, call, job, record.program, record.weights)
-            timings, transfers = issuer.timings, issuer.transfers
             try:
+                issuer = JobIssuer(ctx, record.program, record.weights)
                 issuer.issue()
             except BaseException as exc:  # noqa: BLE001 - handed to the call
-                error = locate(exc, f"{job_name(job)} on device {self.device!r}")
-        if error is not None:
-            call.fail_outputs(job, error)
-            self.open_buffer_gates(call, job)
-        self._finish(record, error, timings, transfers)
-
-    def _finish(
-        self, record: DeviceJob, error: BaseException | None, timings: list, transfers: list
-    ) -> None:
-        call, job = record.call, record.job
+                error = locate(exc, f"{ctx.name} on device {self.device!r}")
         try:
             ends = [stream.record() for stream in self.device.streams.values()]
             record.end = ends[0]
         finally:
             record.issued.set()
+        if error is not None:
+            self.fail_job(ctx.call, ctx.job, error, ends)
+            return
+        call, job, profiler = ctx.call, ctx.job, self.profiler
 
         def done() -> None:
-            if error is None:
-                for kind, layers, timer in timings:
-                    self.profiler.record(kind, layers, timer.seconds())
-                for transfer in transfers:
-                    self.profiler.record_timing(transfer)
+            for kind, layers, timer in issuer.compute.timings:
+                profiler.record(kind, layers, timer.seconds())
+            for transfer in issuer.transfers:
+                profiler.record_timing(transfer)
+            call.latch.finish(job.index)
+
+        self.context.after(ends, done, lambda exc: call.latch.finish(job.index, exc))
+
+    def fail_job(
+        self, call: Call, job: Job, error: BaseException, ends: list[Event] | None = None
+    ) -> None:
+        """The one way a job fails: whoever waits on its outputs or on its layers'
+        buffers is released now; the job finishes on the call's latch with ``error``
+        once ``ends`` (events after the ops issued for it) have completed."""
+        call.fail_outputs(job, error)
+        self.context.open_buffer_gates(call, job)
+
+        def finish(_: BaseException | None = None) -> None:
             call.latch.finish(job.index, error)
 
-        self.after(ends, done, on_error=lambda exc: call.latch.finish(job.index, error or exc))
+        if ends:
+            self.context.after(ends, finish, finish)
+        else:
+            finish()
 
 
 def _prefetch_loop(records: queue.SimpleQueue, worker: DeviceWorker) -> None:
@@ -222,8 +226,7 @@ def _issue_loop(records: queue.SimpleQueue, worker: DeviceWorker) -> None:
             worker.issue(record)
         except BaseException as exc:  # noqa: BLE001 - the thread must outlive any job
             record.issued.set()
-            record.call.fail_outputs(record.job, exc)
-            record.call.latch.finish(record.job.index, exc)
+            worker.fail_job(record.ctx.call, record.ctx.job, exc)
 
 
 def _followup_loop(followups: queue.SimpleQueue, worker: DeviceWorker) -> None:

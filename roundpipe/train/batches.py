@@ -1,28 +1,9 @@
 """Deterministic batches of a :class:`~roundpipe.train.data.Dataset`, by step number.
 
-``Batches(dataset, batch_size, seed, packing=False, pad_id=0)`` cuts every epoch into
-``steps_per_epoch`` batches of ``batch_size`` rows (the last one smaller when the rows
-do not divide evenly; none is dropped). A row is an example, or with ``packing`` a
-window of several. Epoch ``e`` visits the rows in the order of
-``torch.randperm(rows, generator=torch.Generator().manual_seed(seed + e))``, so
-``batch(step)`` is a pure function of the data, the seed and ``step`` (epoch ``step //
-steps_per_epoch``): a resumed run needs only the step number.
-
-Without packing a batch is ``{"input_ids", "attention_mask", "labels"}``, right-padded
-to its longest example with ``pad_id`` (``attention_mask`` 0, labels ``-100`` there).
-
-With packing, the examples are packed once, in the order of
-``torch.randperm(examples, generator=torch.Generator().manual_seed(seed))``, best fit
-(each into the fullest window it fits, else a new one), into windows of exactly
-``dataset.seq_len`` tokens; no example is split. A batch is ``{"input_ids",
-"position_ids", "labels"}`` with no ``attention_mask``: positions restart at 0 at each
-example, which is how ``transformers`` keeps attention inside each example. The tail
-of a window is ``pad_id`` tokens, a segment of its own (positions restarting, labels
-``-100``). Each example's first label is ``-100`` already (see ``data.py``), so no
-token is trained to predict the next example. Packing once keeps the number of steps
-per epoch fixed; the windows are reshuffled each epoch.
-
-Every tensor is int64 on the CPU.
+``Batches(dataset, batch_size, seed, packing=False, pad_id=0).batch(step)`` is a pure
+function of the data, the seed and ``step``, so a resumed run needs only the step
+number; rows are shuffled per epoch, padded, or packed once into windows of
+``dataset.seq_len`` tokens (docs/design.md#batches).
 """
 
 from __future__ import annotations

@@ -1,23 +1,10 @@
 """Chat data: a conversation rendered with the tokenizer's chat template, loss on the
 assistant turns only.
 
-Which characters belong to an assistant turn is read off the template itself, so any
-template works without knowing its markup: for assistant message ``k`` the rendering
-of ``messages[:k]`` with the generation prompt (``<|im_start|>assistant\\n`` in ChatML)
-and the rendering of ``messages[:k + 1]`` are both prefixes of the whole
-conversation's rendering, and the characters between them are the turn (its content
-and the template's end-of-turn markup). The turn's tokens are labelled up to its last
-special token (``<|im_end|>``, ``<|eot_id|>``, ``</s>``...), so the model learns to
-stop, but not the newline some templates put after it, which generation never
-reaches; a turn without a special token is labelled whole. Headers, system and user
-turns are not labelled.
-
-Templates that render an earlier assistant turn differently once later messages
-follow (Qwen3 drops the ``<think>`` block of turns before the last user message) break
-the prefix property. Such a conversation becomes several examples: the last one is
-the conversation up to its last assistant turn, labelling every turn that keeps the
-property, and each turn that breaks it ends an earlier example of its own, rendered as
-the template renders it when it is the turn being generated.
+Which characters belong to an assistant turn is read off the template itself, by
+rendering prefixes of the conversation, so any template works without knowing its
+markup; templates that rewrite earlier turns give one example per such turn
+(docs/design.md#chat-labels).
 """
 
 from __future__ import annotations

@@ -1,17 +1,11 @@
 """The checkpoints of a run: ``<output>/checkpoints/step-N``, which one ``--resume``
 continues from, and which old ones to delete.
 
-Each checkpoint is a :meth:`RoundPipe.save_checkpoint` directory whose ``extra`` holds
-the run's position (:class:`Position`) and its options (``run.yaml``'s record). The
-options that decide which parameters exist (:data:`~roundpipe.train.options.SHAPE_KEYS`)
-must match for ``--resume``; others may change and are reported.
-
-Under ``torchrun`` with K processes a checkpoint is sharded: rank r keeps its part in
-``step-N/rank<r>-of-<K>`` (see :func:`roundpipe.model.checkpoint.shard_path`). Each rank
-finds, resumes and prunes its own shards only, so it works whether or not the ranks
-share a filesystem (on a shared one they never touch the same files); ``shard`` below
-is ``{"rank", "world"}``, None for one process. A checkpoint resumes only with the
-number of processes that wrote it.
+Each is a :meth:`RoundPipe.save_checkpoint` directory holding the run's position and
+options; under ``torchrun`` each rank keeps its own shard
+(:func:`roundpipe.model.checkpoint.shard_path`) and finds, resumes and prunes only its
+own (docs/design.md#run-checkpoints). ``shard`` below is ``{"rank", "world"}``, None
+for one process.
 """
 
 from __future__ import annotations

@@ -1,35 +1,10 @@
 """The training data of ``roundpipe train``: a JSONL file as tokenized, labelled examples.
 
-One JSON object per line (blank lines are skipped; keys other than a format's are
-ignored), all lines in one of three formats:
-
-- ``{"text": ...}``: loss on every token;
-- ``{"prompt": ..., "completion": ...}``: loss on the completion only;
-- ``{"messages": [{"role": ..., "content": ...}, ...]}``: rendered with the tokenizer's
-  chat template, loss on the assistant turns only (see :mod:`roundpipe.train.chat`;
-  with a template that rewrites earlier turns, a line gives one example per turn).
-
-Text and prompt/completion are tokenized with the tokenizer's own special tokens (a
-BOS where it adds one; the prompt and the completion separately, then concatenated)
-and end with the EOS token, labelled, so the model learns to stop. Labels follow
-Hugging Face's convention: the same length as the ids, the model shifts them, and
-``-100`` marks tokens without loss. The first label of every example is ``-100`` (no
-token predicts it), so examples can be packed side by side.
-
-Examples longer than ``seq_len`` tokens keep their first ``seq_len`` (counted in
-``Dataset.truncated``). An example left with nothing to learn, no labelled token but
-special ones (an empty completion, a prompt that fills the window), is dropped and
-counted in ``Dataset.dropped``; if every example is dropped, loading fails.
-
-Public API::
-
-    class DataError(ValueError)       # bad data; names the file and the 1-based line
-    Example(input_ids, labels)        # tuples of ints; .num_label_tokens
-    Dataset(path, format, seq_len, examples, truncated, dropped)
-    load_dataset(path, tokenizer, seq_len) -> Dataset
-    pad_token_id(tokenizer) -> int    # pad, else EOS, else 0
-
-Batches (shuffled, padded or packed) are built by :mod:`roundpipe.train.batches`.
+Three line formats (``text``, ``prompt``/``completion``, ``messages``), labels in
+Hugging Face's convention with the first label of every example ``-100`` so examples
+can be packed side by side; long examples are truncated and examples with nothing to
+learn dropped, both counted (docs/design.md#training-data). Batches are built by
+:mod:`roundpipe.train.batches`.
 """
 
 from __future__ import annotations

@@ -1,17 +1,9 @@
 """The assets of ``roundpipe train --demo``: a tiny Qwen3 model, its tokenizer, a chat dataset.
 
-``prepare_demo(workdir)`` writes ``workdir/base-model``: a randomly initialised tiny
-``Qwen3ForCausalLM`` (fp32) with a byte-level BPE tokenizer trained in code on the demo
-chat data and a ChatML chat template, all as ``transformers`` loads them. The weights
-are a function of the seed and the tokenizer of the data, so two runs write identical
-files; a complete directory from an earlier run (same seed, data and recipe) is reused.
-The chat data ships in ``demo_data/`` beside this file: ``chat.jsonl`` (training) and
-``chat_eval.jsonl`` (held-out questions on the same facts), written from self-written
-question/answer templates (capitals, colours, opposites, plurals, animal sounds, days,
-months, counting, small talk, a name to remember). ``DEMO_OPTIONS`` are the options of
-``roundpipe train`` for about a minute of training on two CPU cores. After training,
-``sample_generations`` answers a few held-out questions with the untrained and the
-trained model, and ``format_samples`` lays them out for the terminal.
+``prepare_demo(workdir)`` writes ``workdir/base-model`` reproducibly (reused when an
+earlier run wrote the same); ``DEMO_OPTIONS`` train for about a minute on two CPU
+cores; ``sample_generations`` and ``format_samples`` show held-out answers before and
+after training (docs/design.md#demo).
 """
 
 from __future__ import annotations

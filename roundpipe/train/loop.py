@@ -1,26 +1,10 @@
 """The training run of ``roundpipe train``: build the pipe, train, evaluate, checkpoint.
 
-Step ``k`` (1-based) trains on ``Batches.batch(k - 1)``, queues the optimizer step on
-RoundPipe's host optimizer thread (asynchronous unless ``--sync``), appends its line to
-``metrics.jsonl``, and evaluates and checkpoints where due. The data order, the LR
-schedule and the checkpoints depend on the step number only, so a run resumed from
-``checkpoints/step-N`` continues as the uninterrupted run would have (bit for bit with
-``--sync``; an asynchronous run resumes as if it had synchronized at the checkpoint,
-which every checkpoint save does anyway).
-
-Ctrl-C: the first one lets the current step finish, the second abandons it; either way
-a checkpoint of the steps that ran is written and :func:`train` reports the interruption.
-
-Under ``torchrun`` (:mod:`roundpipe.train.ranks`) each of the K processes trains on its
-rows of every global batch (``torch.tensor_split`` by rank), split into the same number
-of microbatches on every rank (computed from the smallest share), and the pipe reduces
-the gradients across them: a step equals one process's step on the global batch. Rank 0
-alone prints and writes ``metrics.jsonl``, ``loss.png``, ``run.yaml`` and the tokenizer;
-every rank saves its shard of each checkpoint and takes part in ``save_pretrained``
-(rank 0 writes the model). The evaluation batches are shared round-robin among the
-ranks and their sums added up. After each step the ranks exchange their Ctrl-C flags, so
-all stop after the same step; there a Ctrl-C, also a repeated one (``torchrun`` passes on
-the terminal's), only asks to stop: a step is never abandoned on one rank alone.
+Step ``k`` trains on ``Batches.batch(k - 1)``, and everything a run does depends on the
+step number only, so a resumed run continues as the uninterrupted one would have;
+Ctrl-C finishes (or, a second time, abandons) the step and checkpoints
+(docs/design.md#training-loop). Under ``torchrun`` every rank trains on its rows of the
+global batch (docs/design.md#training-across-nodes).
 """
 
 from __future__ import annotations
@@ -108,8 +92,9 @@ def build_pipe(options: TrainOptions, ranks: Ranks | None = None):
     """The model of ``options`` as an ``HFRoundPipe``, with the ``GradScaler`` an fp16
     model trains with (else ``None``). Under ``torchrun`` (``ranks``), data parallel over
     the world group, whose collectives time out after ``--dist-timeout``."""
-    from .. import RoundPipe, RoundPipeRunConfig
     from ..cluster import CommOptions
+    from ..core.config import RoundPipeRunConfig
+    from ..hf.loading import from_pretrained
 
     lora = None
     if not options.full:
@@ -129,7 +114,7 @@ def build_pipe(options: TrainOptions, ranks: Ranks | None = None):
         several["comm_options"] = CommOptions(timeout_s=options.dist_timeout)
     torch.manual_seed(options.seed)  # the adapters' initialisation (alike on every rank)
     with quiet_transformers():
-        pipe = RoundPipe.from_pretrained(
+        pipe = from_pretrained(
             options.model,
             torch_dtype=DTYPES[options.precision],
             lora=lora,

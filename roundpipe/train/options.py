@@ -1,11 +1,9 @@
 """The options of ``roundpipe train``: one table for the command line, ``--config`` YAML
 files and ``run.yaml``.
 
-Options come from four layers, each overriding the one before: the defaults, the
-``--demo`` preset, a ``--config`` YAML file (keys are option names, written with ``-``
-or ``_``; ``null`` means "not given") and the command line. :func:`resolve` merges the
-layers and checks them; everything that needs the model (``--seq-len``'s cap, the
-number of steps of ``--epochs``) is checked later, when the model directory is read.
+Defaults, the ``--demo`` preset, a ``--config`` file and the command line, each
+overriding the one before, merged and checked by :func:`resolve`; what needs the model
+is checked later (docs/design.md#train-options).
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ from .options import TrainOptions, UsageError
 from .ranks import Ranks
 
 DEFAULT_SEQ_LEN = 1024
-WEIGHT_FILES = (SINGLE_FILE, INDEX_FILE)  # what RoundPipe.from_pretrained loads
+WEIGHT_FILES = (SINGLE_FILE, INDEX_FILE)  # what roundpipe.from_pretrained loads
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
 REQUIRED_PACKAGES = (
     ("transformers", "transformers"),

@@ -1,10 +1,9 @@
 """What ``roundpipe train`` shows while it runs: one live bar on a terminal, plain lines
 elsewhere.
 
-On a terminal the bar is tqdm's (or rich's where tqdm is missing) with step/total, the
-loss, tokens/s and the ETA. When stdout is not a terminal (CI logs, a test reading the
-output) a plain line is printed every few steps, so a log grows by at most about a
-hundred lines per run. Messages printed through :meth:`Progress.message` never tear the bar.
+On a terminal the bar is tqdm's (or rich's where tqdm is missing); when stdout is not a
+terminal a plain line every few steps keeps a log to about a hundred lines per run.
+Messages printed through :meth:`Progress.message` never tear the bar.
 """
 
 from __future__ import annotations

@@ -1,16 +1,10 @@
 """``roundpipe train`` under ``torchrun``: which process this is, and the few collectives
 the command itself needs (the model's own go through RoundPipe's ``process_group``).
 
-One process per node (``torchrun --nnodes K --nproc-per-node 1 -m roundpipe train
-...``): ``WORLD_SIZE`` > 1 makes :func:`joined` initialise ``torch.distributed`` with
-gloo from the environment ``torchrun`` sets (``RANK``, ``MASTER_ADDR``,
-``MASTER_PORT``). Without it, or with ``WORLD_SIZE=1``, :class:`Ranks` is a single
-process and every method here is a no-op, so the one-process command is unchanged.
-
-The command's collectives run on the caller's thread over the default (world) group,
-which RoundPipe's own threads never use (they talk over groups of their own); each
-waits at most ``--dist-timeout`` seconds and then raises
-:class:`~roundpipe.cluster.PeerFailure` naming this rank and what it waited for.
+With ``WORLD_SIZE`` > 1, :func:`joined` initialises ``torch.distributed`` with gloo from
+``torchrun``'s environment; otherwise :class:`Ranks` is one process and every method a
+no-op. Each collective waits at most ``--dist-timeout`` seconds, then raises
+:class:`~roundpipe.cluster.PeerFailure` (docs/design.md#training-across-nodes).
 """
 
 from __future__ import annotations

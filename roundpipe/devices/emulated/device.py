@@ -1,25 +1,9 @@
-"""N virtual devices inside one process, on the CPU (DESIGN.md §5, §9).
+"""N virtual devices inside one process, on the CPU: the emulated device, pool, options.
 
-Each device has four streams, FIFO queues of ops and event waits
-(:mod:`.emulated_stream`), run by one executor thread per device in *modelled time*
-(:mod:`.emulated_executor`): an op's closure runs when the op starts, and the op ends
-when its modelled kernel or copy time has passed, while the device's other streams go
-on, as on a GPU. Events are recorded on one stream and waited on by others exactly as
-CUDA does. Where it matters the emulator is never kinder than a GPU:
-
-- device memory is taken when the host allocates it, as CUDA's caching allocator
-  does, checked against a per-device capacity (``torch.OutOfMemoryError``), handed
-  out poisoned, and reusable by other streams only after the work recorded on them
-  has run (:mod:`.emulated_memory`);
-- transfers go through one FIFO copy engine per direction per device and a host
-  memory bus shared by all devices; there are no transfer priorities
-  (:mod:`.emulated_link`);
-- downloads land in blocks of a bounded pool marked page-locked
-  (:mod:`.host_blocks`); uploads from memory not marked so block the issuing thread.
-
-Optional models: link and host bandwidth, kernel time per op, and *jitter* (a
-random delay before every op) so that a missing event wait shows up as a wrong
-result. Threads start on first use, never at import.
+The device wires its parts together (an executor, four streams, two copy engines, its
+memory) from plain values, so none of them refers back to it; what the emulator
+models and where it is never kinder than a GPU is in ``docs/design.md``, "Emulated
+backend". Threads start on first use, never at import.
 """
 
 from __future__ import annotations
@@ -32,10 +16,10 @@ from dataclasses import dataclass
 
 import torch
 
+from ...core.program import ACT_UPLOAD, DOWNLOAD, STREAMS, WEIGHT_UPLOAD
 from ..base import (
     MAPPED_FILE_ATTR,
     RANDOM_KINDS,
-    STREAM_NAMES,
     Device,
     DevicePool,
     OpInfo,
@@ -45,10 +29,10 @@ from ..base import (
     without_grad,
 )
 from ..host_blocks import DEFAULT_CACHE_BYTES, HostBlockPool
-from .executor import DeviceExecutor
+from .executor import DeviceExecutor, SpanSink
 from .link import CopyEngine, HostBus, Tickets, sleep_until
 from .memory import ComputeAllocations, DeviceMemory
-from .stream import RUNNING, EmulatedStream, HostEvent, WallClockTimer
+from .stream import RUNNING, EmulatedStream, HostEvent, StreamContext, WallClockTimer
 
 # The CPU generator is one per process, so is the lock that makes "capture RNG
 # state, then draw from it" atomic across emulated devices (and across pools).
@@ -92,17 +76,20 @@ class EmulatedDevice(Device):
         self.index = index
         self.options = options
         self.torch_device = torch.device("cpu")
-        self.executor = DeviceExecutor(self)
-        self.streams = {
-            name: EmulatedStream(self, name, options.seed * 1009 + index * 17 + i, self.executor)
-            for i, name in enumerate(STREAM_NAMES)
-        }
-        self.executor.streams = tuple(self.streams.values())
         self.h2d = CopyEngine(options.h2d_gbps, pool.host_bus)
         self.d2h = CopyEngine(options.d2h_gbps, pool.host_bus)
-        for name, engine in (("weight_upload", self.h2d), ("act_upload", self.h2d)):
-            self.streams[name].engine = engine
-        self.streams["download"].engine = self.d2h
+        self.executor = DeviceExecutor(index, options.jitter_s, pool.span_sink)
+        context = StreamContext(index, self.executor.lock, self.executor.put, pool.tickets.next)
+        engines = {WEIGHT_UPLOAD: self.h2d, ACT_UPLOAD: self.h2d, DOWNLOAD: self.d2h}
+        self.streams = {
+            name: EmulatedStream(
+                context, name, options.seed * 1009 + index * 17 + i, engines.get(name)
+            )
+            for i, name in enumerate(STREAMS)
+        }
+        for stream in self.streams.values():
+            stream.device = self  # the Stream interface's owner; streams never use it
+        self.executor.streams = tuple(self.streams.values())
         self.memory = DeviceMemory(
             index, self.memory_capacity(), options.poison_memory, lambda: RUNNING.stream
         )
@@ -223,10 +210,8 @@ class EmulatedDevicePool(DevicePool):
             lambda memory: None,
             mark=_mark_page_locked,
         )
+        self.span_sink = SpanSink()  # where the executors record spans (start_recording)
         self.devices = [EmulatedDevice(self, i, self.options) for i in range(num_devices)]
-        self.recording = False  # whether executors record spans (start_recording)
-        self._spans: list[SpanRecord] = []
-        self._spans_lock = threading.Lock()
 
     def __repr__(self) -> str:
         return f"EmulatedDevicePool({len(self.devices)})"
@@ -250,29 +235,10 @@ class EmulatedDevicePool(DevicePool):
                 stream.error = None
 
     def start_recording(self) -> None:
-        with self._spans_lock:
-            self._spans = []
-            self.recording = True
+        self.span_sink.start()
 
     def spans(self) -> list[SpanRecord]:
-        with self._spans_lock:
-            return list(self._spans)
-
-    def record_span(
-        self,
-        device: int,
-        stream: str,
-        info: OpInfo,
-        start: float,
-        end: float,
-        ran: float = 0.0,
-        cpu: float = 0.0,
-    ) -> None:
-        """An op ran on ``stream`` from ``start`` (it was ready) to ``end`` (modelled); its
-        closure ran ``ran`` seconds, ``cpu`` of them on a core."""
-        span = SpanRecord(device, stream, info, start, end, ran, cpu)
-        with self._spans_lock:
-            self._spans.append(span)
+        return self.span_sink.spans()
 
     def close(self) -> None:
         """Run what was queued, then stop the executor threads."""

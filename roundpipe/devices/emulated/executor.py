@@ -1,28 +1,9 @@
-"""One thread per emulated device that runs the ops of all its streams (DESIGN.md §9).
+"""One thread per emulated device that runs the ops of all its streams in modelled time.
 
-A GPU runs its streams' work side by side: kernels on the compute stream while the
-copy engines move data. The executor emulates that with one thread and *modelled
-time* on the ``time.perf_counter`` clock:
-
-- it runs an op's closure (its real work) at once when it starts the op, and gives
-  the op a modelled end, ``max(real end, start + modelled)``, where *modelled* is the
-  kernel time charged during the closure or the copy time of the copies it made. The
-  op stays in flight until that time has come; meanwhile the executor starts ops of
-  the device's other streams, so compute and copies overlap as on a GPU;
-- an op starts when it is at its stream's head, the stream has no op in flight and
-  every wait before it is satisfied; its modelled start is the moment that became
-  true (the end of the op before it, the time the awaited events' work ended, its
-  issue), plus the jitter drawn for it, and for an op of a copy stream no earlier than
-  its copy engine is free: such an op starts only while no other op of its engine is
-  in flight, the lowest ticket first. Among the ops that can start, the lowest ticket
-  goes first;
-- when nothing can start it sleeps until the earliest modelled end or start, a new
-  submission, or the completion of an event a stream waits on (events call the
-  executor back, whatever thread completes them).
-
-The lock guards the streams' queues; no closure runs and no event is completed while
-it is held, and nothing sleeps holding it. The thread starts on first use and stops at
-:meth:`DeviceExecutor.stop` once everything queued has run.
+A GPU runs its streams' work side by side, kernels while the copy engines move data;
+the executor emulates that with one thread (see ``docs/design.md``, "Emulated
+backend"). It is built from plain values (device index, jitter, a :class:`SpanSink`),
+not the device, so of this package it depends on the streams alone.
 """
 
 from __future__ import annotations
@@ -31,12 +12,9 @@ import math
 import threading
 from collections.abc import Sequence
 from time import perf_counter, thread_time
-from typing import TYPE_CHECKING
 
+from ..base import SpanRecord
 from .stream import RUNNING, EmulatedEvent, EmulatedStream, QueuedOp
-
-if TYPE_CHECKING:
-    from .device import EmulatedDevice
 
 # What one look at the streams found to do: ops that ended (with their stream and its
 # error then), events of satisfied waits (with their error and time), an op to start.
@@ -44,11 +22,57 @@ _Finished = list[tuple[EmulatedStream, QueuedOp, BaseException | None]]
 _Released = list[tuple[list[EmulatedEvent], BaseException | None, float]]
 
 
-class DeviceExecutor:
-    """Runs the ops of one emulated device's streams on one thread."""
+class SpanSink:
+    """Where the executors of a pool record the spans of their ops while ``recording``."""
 
-    def __init__(self, device: EmulatedDevice) -> None:
-        self.device = device
+    def __init__(self) -> None:
+        self.recording = False
+        self._spans: list[SpanRecord] = []
+        self._lock = threading.Lock()
+
+    def start(self) -> None:
+        """Drop what was recorded and record from now on."""
+        with self._lock:
+            self._spans = []
+            self.recording = True
+
+    def spans(self) -> list[SpanRecord]:
+        with self._lock:
+            return list(self._spans)
+
+    def record(self, span: SpanRecord) -> None:
+        with self._lock:
+            self._spans.append(span)
+
+
+class DeviceExecutor:
+    """Runs the ops of one emulated device's streams on one thread, in *modelled time*
+    on the ``time.perf_counter`` clock:
+
+    - it runs an op's closure (its real work) at once when it starts the op, and gives
+      the op a modelled end, ``max(real end, start + modelled)``, where *modelled* is
+      the kernel time charged during the closure or the copy time of the copies it
+      made. The op stays in flight until that time has come; meanwhile the executor
+      starts ops of the device's other streams, so compute and copies overlap;
+    - an op starts when it is at its stream's head, the stream has no op in flight and
+      every wait before it is satisfied; its modelled start is the moment that became
+      true (the end of the op before it, the time the awaited events' work ended, its
+      issue), plus the jitter drawn for it, and for an op of a copy stream no earlier
+      than its copy engine is free: such an op starts only while no other op of its
+      engine is in flight. Among the ops that can start, the lowest ticket goes first;
+    - when nothing can start it sleeps until the earliest modelled end or start, a new
+      submission, or the completion of an event a stream waits on (events call
+      :meth:`wake`, whatever thread completes them).
+
+    ``lock`` guards the streams' queues; no closure runs and no event is completed
+    while it is held, and nothing sleeps holding it. The thread (named
+    ``roundpipe-emu<index>``) starts on first use and stops at :meth:`stop` once
+    everything queued has run. ``streams`` is set by the device once it has built them.
+    """
+
+    def __init__(self, index: int, jitter_s: float, spans: SpanSink) -> None:
+        self._index = index
+        self._spans = spans
         self.lock = threading.RLock()  # reentrant: a tensor dying under it records events
         self._cond = threading.Condition(self.lock)
         self.streams: Sequence[EmulatedStream] = ()
@@ -56,7 +80,7 @@ class DeviceExecutor:
         self._start_lock = threading.Lock()
         self._sleeping = False
         self._stopping = False
-        self._jitter_s = device.options.jitter_s
+        self._jitter_s = jitter_s
 
     # -- the host side ---------------------------------------------------------------
 
@@ -92,7 +116,7 @@ class DeviceExecutor:
         with self._start_lock:
             if self._thread is None:
                 self._thread = threading.Thread(
-                    target=self._run, name=f"roundpipe-emu{self.device.index}", daemon=True
+                    target=self._run, name=f"roundpipe-emu{self._index}", daemon=True
                 )
                 self._thread.start()
 
@@ -198,7 +222,7 @@ class DeviceExecutor:
     def _run_op(self, stream: EmulatedStream, op: QueuedOp) -> None:
         """Run ``op``'s closure (skipped after an error) and set its modelled end."""
         op.cursor = op.start
-        measured = self.device.pool.recording
+        measured = self._spans.recording
         if measured:
             began, cpu = perf_counter(), thread_time()
         RUNNING.stream, RUNNING.op = stream, op
@@ -223,8 +247,8 @@ class DeviceExecutor:
         if events is not None:
             for event in events:
                 event.complete(error, op.end)
-        pool = self.device.pool
-        if pool.recording:
-            pool.record_span(
-                self.device.index, stream.name, op.info, op.ready, op.end, op.ran, op.cpu
+        spans = self._spans
+        if spans.recording:
+            spans.record(
+                SpanRecord(self._index, stream.name, op.info, op.ready, op.end, op.ran, op.cpu)
             )

@@ -1,24 +1,9 @@
-"""The emulated backend's transfer model: copy engines and the host memory bus.
+"""The emulated backend's transfer model: copy engines, the host memory bus, tickets.
 
-What a GPU does, and what this models (DESIGN.md §4):
-
-- Each device has one copy engine per direction (host→device, device→host). An engine
-  moves one copy at a time, and among the copies that are *ready* (their stream has
-  reached them) it takes the one issued first. Stream priorities do not exist here:
-  on CUDA they order kernels, not copies, so any priority between activation uploads
-  and weight prefetch must come from the order in which the runtime issues them.
-- All devices' copies go through host DRAM, whose bandwidth is shared: with eight
-  GPUs on PCIe the sum of the links exceeds what memory delivers. A copy therefore
-  ends no earlier than its link allows and no earlier than the shared host bus
-  (served in the order copies are booked) allows.
-
-Time here is *modelled* time on the ``time.perf_counter`` clock: nothing blocks. The
-device's executor (:mod:`.emulated_executor`) starts an op of a copy stream only while
-its engine has no other such op in flight, choosing the lowest ticket among the ready
-ones; each copy the op makes :meth:`CopyEngine.book`\\ s the engine from where the op
-has got to (chained for several copies) and learns when it ends. Every op gets a
-*ticket* from the pool when it is issued; a copy inside an op of a copy stream carries
-its op's ticket, any other copy a fresh one.
+A GPU has one copy engine per direction, serving ready copies in issue order (stream
+priorities order kernels, not copies), and all devices' copies share host DRAM's
+bandwidth. Time here is *modelled* time on the ``time.perf_counter`` clock: nothing
+blocks (see ``docs/design.md``, "Emulated backend").
 """
 
 from __future__ import annotations
@@ -62,8 +47,11 @@ class CopyEngine:
     """One direction of one device's link: one copy at a time, earliest-issued ready first.
 
     The ordering between ops is the executor's: it starts an op of a stream using this
-    engine only while ``busy`` is false (it sets it for the op's lifetime) and no
-    earlier than ``free_at``. The engine itself keeps the time its booked copies end.
+    engine only while ``busy`` is false (it sets it for the op's lifetime), no earlier
+    than ``free_at``, the lowest ticket first among the ready ones. Each copy the op
+    makes is :meth:`book`\\ ed from where the op has got to (chained for several
+    copies); a copy inside an op of a copy stream carries its op's ticket, any other
+    copy a fresh one. The engine itself keeps the time its booked copies end.
     """
 
     def __init__(self, gbps: float | None, bus: HostBus) -> None:

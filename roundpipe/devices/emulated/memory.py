@@ -1,20 +1,7 @@
 """The emulated backend's device memory, accounted the way CUDA's caching allocator does.
 
-- Memory is taken when ``allocate`` is *called*. The runtime calls it on the issuing
-  thread for what it can size then (a stage's weights), as PyTorch does on CUDA, so
-  the capacity is checked against what the host has issued, not what has run.
-- A freed block is usable again by the stream it was allocated on at once (that
-  stream's later work runs after the work that used it), and by any other stream
-  only after the work issued, at the moment it was freed, on every stream the block
-  was marked as used by (``keep_alive``, CUDA's ``record_stream``) has run. Until
-  then it still counts as in use.
-- A block handed out is poisoned (NaN, or all bits set for integers), so reading
-  memory nobody wrote (a missing copy, a chunk left out) gives a wrong result
-  instead of a lucky zero.
-- What a layer computes on the device (activations, tensors autograd saves, logits)
-  is device memory too: inside a compute op, :class:`ComputeAllocations` counts every
-  tensor an operator creates (a storage that is none of its inputs') from its creation
-  until its storage dies, and raises the out-of-memory error a kernel launch would.
+It charges and frees memory as a GPU would, so that capacity errors and stream-ordered
+reuse show up in tests on the CPU (see ``docs/design.md``, "Emulated backend").
 """
 
 from __future__ import annotations
@@ -70,7 +57,24 @@ class _Block:
 
 
 class DeviceMemory:
-    """One emulated device's memory: capacity, in-use bytes, peak, pending frees."""
+    """One emulated device's memory: capacity, in-use bytes, peak, pending frees.
+
+    - Memory is taken when ``allocate`` is *called*. The runtime calls it on the issuing
+      thread for what it can size then (a stage's weights), as PyTorch does on CUDA, so
+      the capacity is checked against what the host has issued, not what has run.
+    - A freed block is usable again by the stream it was allocated on at once (that
+      stream's later work runs after the work that used it), and by any other stream
+      only after the work issued, at the moment it was freed, on every stream the block
+      was marked as used by (``keep_alive``, CUDA's ``record_stream``) has run. Until
+      then it still counts as in use.
+    - A block handed out is poisoned (NaN, or all bits set for integers), so reading
+      memory nobody wrote (a missing copy, a chunk left out) gives a wrong result
+      instead of a lucky zero.
+    - What a layer computes on the device (activations, tensors autograd saves, logits)
+      is device memory too: inside a compute op, :class:`ComputeAllocations` counts every
+      tensor an operator creates (a storage that is none of its inputs') from its creation
+      until its storage dies, and raises the out-of-memory error a kernel launch would.
+    """
 
     def __init__(
         self,

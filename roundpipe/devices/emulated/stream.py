@@ -1,19 +1,8 @@
-"""The emulated backend's streams and events (DESIGN.md §9).
+"""The emulated backend's streams (FIFO queues of ops and event waits) and events.
 
-A stream is a FIFO queue of items, ops and waits on events; the device's executor
-(:mod:`.emulated_executor`) runs the items of all its streams, one op in flight per
-stream. Events are completed once everything submitted before them has run, and
-awaited by other streams or devices, as on CUDA:
-
-- an event is not a queue item: it is attached to the last item queued (or the op in
-  flight) and completed with it, or completed at once on an idle stream;
-- a wait on an event that has already completed without error orders nothing (as
-  ``cudaStreamWaitEvent`` on a completed event) and is not queued;
-- an event carries the modelled time its work ended, so a stream waiting on it starts
-  no earlier, and a host thread blocks on it only through a lazily made waiter.
-
-Errors are sticky per stream (:mod:`.base`): an op that raises sets the stream's
-``error``, later ops are skipped and events complete with it.
+A stream only queues; the device's executor runs the queues. A stream is built from
+the plain values it needs (:class:`StreamContext`), so this module depends on neither
+the device nor the executor. See ``docs/design.md``, "Emulated backend".
 """
 
 from __future__ import annotations
@@ -22,14 +11,14 @@ import collections
 import random
 import threading
 from collections.abc import Callable
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
 from time import perf_counter as _now
 from typing import TYPE_CHECKING
 
 from ..base import Event, OpInfo, Stream, Timer
 
 if TYPE_CHECKING:
-    from .device import EmulatedDevice
-    from .executor import DeviceExecutor
     from .link import CopyEngine
 
 
@@ -67,8 +56,13 @@ _EVENT_LOCK = threading.Lock()
 
 class EmulatedEvent(Event):
     """Completed once (with the error of its stream, if any, and the modelled time its
-    work ended). Executors register callbacks to be woken; a host thread that blocks
-    on it makes the one ``threading.Event`` it sleeps on."""
+    work ended), once everything submitted before it has run. Executors register
+    callbacks to be woken; a host thread that blocks on it makes the one
+    ``threading.Event`` it sleeps on.
+
+    An event is not a queue item: it is attached to the last item queued (or the op in
+    flight) and completed with it, or completed at once on an idle stream. A stream
+    waiting on it starts no earlier than its ``time``."""
 
     __slots__ = ("_host", "_waiters", "done", "error", "time")
 
@@ -174,36 +168,57 @@ class QueuedWait:
         self.events: list[EmulatedEvent] | None = None  # to complete when it is satisfied
 
 
+@dataclass(frozen=True)
+class StreamContext:
+    """What the streams of one device share, as plain values."""
+
+    device_index: int
+    lock: AbstractContextManager[object]
+    """The executor's lock: it guards every stream's ``queue``, ``inflight``, ``floor``."""
+    put: Callable[[EmulatedStream, QueuedOp | QueuedWait], None]
+    """Queue an item on a stream and wake the executor (starting it on first use)."""
+    next_ticket: Callable[[], int]
+    """The pool's issue order: one increasing number per submitted op."""
+
+
 class EmulatedStream(Stream):
-    """A FIFO of :class:`QueuedOp` and :class:`QueuedWait`; the executor's lock guards
-    ``queue``, ``inflight`` and ``floor``."""
+    """A FIFO of :class:`QueuedOp` and :class:`QueuedWait`, run by its device's executor
+    one op in flight at a time; the executor's lock guards ``queue``, ``inflight`` and
+    ``floor``.
+
+    A wait on an event that has already completed without error orders nothing (as
+    ``cudaStreamWaitEvent`` on a completed event) and is not queued. Errors are sticky:
+    an op that raises sets ``error``, later ops are skipped and events complete with
+    it. ``device`` (declared by the ``Stream`` interface) is set by the device that owns
+    the stream; the stream itself never uses it."""
 
     def __init__(
-        self, device: EmulatedDevice, name: str, seed: int, executor: DeviceExecutor
+        self, context: StreamContext, name: str, seed: int, engine: CopyEngine | None = None
     ) -> None:
-        self.device = device
         self.name = name
         self.error: BaseException | None = None
-        self.engine: CopyEngine | None = None  # the copy engine its ops use, if any
+        self.engine = engine  # the copy engine its ops use, if any
         self.queue: collections.deque[QueuedOp | QueuedWait] = collections.deque()
         self.inflight: QueuedOp | None = None
         self.floor = 0.0  # modelled time before which its next item cannot start
         self.waiting_on: EmulatedEvent | None = None  # the event its head wait watches
         self.rng = random.Random(seed)
-        self._executor = executor
-        self._tickets = device.pool.tickets
+        self._index = context.device_index
+        self._lock = context.lock
+        self._put = context.put
+        self._next_ticket = context.next_ticket
 
     def __repr__(self) -> str:
-        return f"emulated:{self.device.index}/{self.name}"
+        return f"emulated:{self._index}/{self.name}"
 
     def submit(self, fn: Callable[[], None], info: OpInfo) -> None:
-        self._executor.put(self, QueuedOp(fn, info, self._tickets.next(), _now()))
+        self._put(self, QueuedOp(fn, info, self._next_ticket(), _now()))
         if info.pageable:  # as CUDA does: the host waits until the copy has been staged
             self.record().wait(None)
 
     def record(self) -> Event:
         event = EmulatedEvent()
-        with self._executor.lock:
+        with self._lock:
             last = self.queue[-1] if self.queue else self.inflight
             if last is None:  # idle: everything submitted has run
                 event.done, event.error, event.time = True, self.error, self.floor
@@ -218,4 +233,4 @@ class EmulatedStream(Stream):
             raise TypeError(f"an emulated stream cannot wait on {type(event).__name__}")
         if event.done and event.error is None:
             return  # it has completed: there is nothing to order
-        self._executor.put(self, QueuedWait(event))
+        self._put(self, QueuedWait(event))

@@ -1,11 +1,12 @@
 """Discrete-event simulation of RoundPipe and of weight-bound pipeline baselines.
 
-Pure logic: no threads, no devices, no torch. RoundPipe is simulated by replaying
-the runtime's own lowered schedule (``roundpipe.core.schedule.lower``) with a cost model.
+Pure logic: no threads, no devices, no torch. RoundPipe is simulated by replaying the
+runtime's own op programs (``roundpipe.core.program``) with a cost model
+(docs/design.md#simulator).
 """
 
 from .baselines import BASELINES, balanced_partition, simulate_baseline
-from .costs import HARDWARE_PRESETS, CostModel, Hardware, LayerCosts, hardware
+from .costs import CostModel, LayerCosts
 from .engine import SimulationError
 from .result import Bubbles, SimResult
 from .roundpipe_schedule import (
@@ -16,15 +17,12 @@ from .roundpipe_schedule import (
 
 __all__ = [
     "BASELINES",
-    "HARDWARE_PRESETS",
     "Bubbles",
     "CostModel",
-    "Hardware",
     "LayerCosts",
     "SimResult",
     "SimulationError",
     "balanced_partition",
-    "hardware",
     "round_schedules",
     "simulate_baseline",
     "simulate_roundpipe",

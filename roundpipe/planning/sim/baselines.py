@@ -1,11 +1,8 @@
 """Weight-bound pipeline baselines: GPipe, 1F1B, interleaved 1F1B and looped BFS.
 
-Every stage is bound to one GPU (stage ``s`` on device ``s mod N``); the last
-layer (the LM head with the loss) sits on the last stage. As Megatron-PP runs with
-full activation recomputation, a stage's backward first recomputes its layers at
-forward cost — after its incoming gradient arrived — except the head, which keeps
-its activations. ``recompute=False`` stashes full activations instead. Each
-iteration ends with a flush, so the steady state equals one iteration.
+Every stage bound to one GPU, with Megatron-PP's full recomputation or stashed
+activations, one flush per iteration: what RoundPipe is compared with
+(docs/design.md#baselines).
 """
 
 from __future__ import annotations

@@ -1,28 +1,9 @@
 """Lower bounds on a plan's steady-state iteration time (pure arithmetic, no simulation).
 
-The planner simulates candidates in the order of these bounds and skips any whose
-bound cannot beat the best simulated so far, so it finds the same plan as simulating
-every candidate, with far fewer simulations. The steady-state estimate itself is
-never below them (a few simulated iterations can catch the quick part of a cycle).
-Three facts bound an iteration, for rounds of ``R`` microbatches (an iteration is one
-or more rounds):
-
-- **work**: a device computes at most all the time, so an iteration lasts at least
-  its compute (forward, backward, and recompute outside the fused stage) over N;
-- **chain**: a round is dispatched when the previous round's last loss is known, and
-  its microbatches then flow through the forward stages into the fused stage like
-  items through a flow shop: at least the first microbatch's path (each stage, each
-  activation hop) plus ``R - 1`` times the slowest of those stages;
-- **optimizer**: the asynchronous host optimizer runs one step at a time, so the
-  steady state is at least its time per step;
-- **jobs** (:meth:`PlanBounds.tight`, about a millisecond): the schedule relaxed to three
-  times per job (:mod:`roundpipe.planning.sim.job_bound`), run for many iterations. It sees what
-  the three above miss (a slow stage pacing the jobs after it, a short job whose device
-  then waits for the wavefront, weight uploads longer than the job before them) and is
-  within a few percent of the simulation on most plans.
-
-``floor`` is the smallest bound any plan can have (the work and optimizer bounds, and
-the chain bound with every stage of one layer), for a given fused-stage size or any.
+The planner simulates candidates in the order of these bounds and skips any whose bound
+cannot beat the best simulated so far, so it finds the same plan as simulating every
+candidate with far fewer simulations. The bounds (work, chain, optimizer, jobs) and
+``floor`` are stated in docs/design.md#lower-bounds.
 """
 
 from __future__ import annotations

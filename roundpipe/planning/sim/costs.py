@@ -1,10 +1,7 @@
 """The simulator's cost model: per-layer times and bytes, transfer costs.
 
-Everything is per *microbatch* and in seconds or bytes. A "layer" is one unit of
-the layer sequence the plan partitions; in the command line's synthetic mode the
-LM head (with the loss) is simply the last layer, with its own costs. The weight-
-bound baselines treat the last layer as the head: it is never recomputed. GPU presets
-(``Hardware``, ``hardware``) live in :mod:`roundpipe.predict.gpus` and are re-exported here.
+Everything is per *microbatch* and in seconds or bytes; a "layer" is one unit of the
+sequence the plan partitions (docs/design.md#simulator).
 """
 
 from __future__ import annotations
@@ -13,11 +10,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ...predict.gpus import GPU_PRESETS as HARDWARE_PRESETS
-from ...predict.gpus import Gpu as Hardware
-from ...predict.gpus import gpu_preset as hardware
-
-__all__ = ["HARDWARE_PRESETS", "CostModel", "Hardware", "LayerCosts", "hardware"]
+__all__ = ["CostModel", "LayerCosts"]
 
 
 @dataclass(frozen=True)

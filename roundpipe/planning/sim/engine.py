@@ -1,14 +1,9 @@
 """The discrete-event core: ordered streams of ops with dependencies.
 
-Every schedule (RoundPipe and the baselines) is expressed the same way: each
-``(device, stream)`` pair is an in-order queue of :class:`Op` values, and an op
-starts when its stream is free and every dependency has ended (plus a lag, e.g.
-the activation's transfer time). Queues may share a *resource* (``Op.resource``):
-two streams whose copies go through one copy engine. A resource runs one op at a
-time; when several queues' heads wait for it, the one that can start first goes,
-ties broken by ``Op.priority`` (lower first), then by order in the op list. The
-engine replays the queues in time order, so a schedule that could deadlock is
-reported instead of mis-timed.
+Every schedule (RoundPipe and the baselines) is a set of in-order queues of :class:`Op`
+values, one per ``(device, stream)``, some sharing a resource (a copy engine); the engine
+replays them in time order, so a schedule that could deadlock is reported instead of
+mis-timed (docs/design.md#simulator).
 """
 
 from __future__ import annotations

@@ -1,25 +1,9 @@
 """A lower bound on each iteration's end from a job-level relaxation of the schedule.
 
-The op graph (``rounds.py``) has an op per microbatch, stream and job; this model keeps
-three times per job: when its weights are home, when its first microbatch's output
-is ready, and when its last compute op ends. Every constraint below is implied by the
-op graph, and nothing that can only delay an op (a shared copy engine, a queue a
-relaxed op does not wait on) is modelled, so each time is at most the simulated one:
-
-- the weights upload after the job two back on the device released it, after the
-  previous upload on the device, after the round's gate and the optimizer step that
-  wrote them, for the sum of the chunk times;
-- the first compute op starts once the device is free (the job before on it
-  released), the weights are home, and the first input is uploaded (``comm`` after
-  the job before in the round produced it); a backward job's first backward waits
-  for the incoming gradient, its recompute does not;
-- the last compute op ends at least ``R`` compute times after the first started, and
-  at least one compute time after the last input arrived;
-- the job releases its device at its end (or the round's gate); its gradients
-  download after that, and the host optimizer steps them after the download.
-
-It costs a few operations per job instead of several per microbatch, so the planner
-can rule out most plans with it before simulating them.
+Three times per job (weights home, first output, last compute end) under constraints
+the op graph implies, so each time is at most the simulated one, at a few operations
+per job instead of several per microbatch: the planner rules out most plans with it
+before simulating them (docs/design.md#lower-bounds).
 """
 
 from __future__ import annotations

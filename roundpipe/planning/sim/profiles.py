@@ -1,10 +1,10 @@
 """Randomised cost profiles the planner is judged on (tests and ``bench/planner.py``).
 
-As the planner issue describes them: 24–96 transformer layers (each within ±20% of a
-mean forward time), backward 1.5–4× forward, an LM head of 1–4 layers' time, an
-activation hop of 0–20% of a layer, 4 or 8 devices, 8–32 microbatches per call (one
-round). A layer's weights take 10–60% of the time one job spends on it to upload, so
-uploads can hide behind compute, as they must on real PCIe links.
+The planner's target workloads: 24–96 transformer layers (each within ±20% of a mean
+forward time), backward 1.5–4× forward, an LM head of 1–4 layers' time, an activation
+hop of 0–20% of a layer, 4 or 8 devices, 8–32 microbatches per call (one round). A
+layer's weights take 10–60% of the time one job spends on it to upload, so uploads can
+hide behind compute, as they must on real PCIe links.
 """
 
 from __future__ import annotations

@@ -1,15 +1,7 @@
 """What a simulation reports: makespan, bubbles split by cause, memory, timeline.
 
-Bubbles are idle time of the *compute* stream of each device, as a fraction of
-``makespan x devices``, split into four parts that sum to the total:
-
-- fill: idle before the device's first compute op;
-- drain: idle after its last compute op, up to the makespan;
-- switch: a gap between an op that ends going forward (forward) and one that
-  starts going backward (recompute, backward) — the forward-to-backward wait;
-- steady: every other gap.
-
-A fused stage starts going forward and ends going backward.
+Bubbles are idle time of each device's compute stream, split into fill, switch, drain
+and steady parts that sum to the total (docs/design.md#simulator).
 """
 
 from __future__ import annotations

@@ -1,26 +1,9 @@
-"""Simulate RoundPipe by replaying the runtime's own lowered schedule.
+"""Simulate RoundPipe by replaying the runtime's own lowered schedule, round by round.
 
-One *round* is one ``roundpipe.core.schedule.lower(plan, N, cursor)`` job list run over
-``R`` microbatches (default ``R = N``), exactly like one ``forward_backward`` call;
-the next round continues the round-robin cursor. An iteration is as many rounds as
-it takes to cover its microbatches, followed by the host optimizer step.
-
-Per device, in job order:
-
-- the stage's weights are uploaded on the device's host-to-device link, prefetched
-  one job ahead: an upload waits until the job two before it on that device is done
-  (weights freed, gradients downloaded), so a device holds at most two stages;
-- a forward job runs microbatches ``0..R-1``, each after the previous stage's output
-  for it arrived (``comm`` after it was produced);
-- a backward job, per microbatch, recomputes from the saved stage input first (it
-  needs no gradient), then waits for the incoming gradient and runs the backward;
-- the fused job runs forward, loss and backward with no recompute;
-- after a backward job's last microbatch its gradients are downloaded.
-
-With the asynchronous optimizer the next round is dispatched as soon as this
-round's loss is known, and an iteration's uploads only wait for the optimizer step
-of two iterations before (weights are one step stale); the synchronous optimizer
-holds the next iteration until the step is done.
+One round is one ``roundpipe.core.schedule.lower(plan, N, cursor)`` job list run over
+``R`` microbatches, exactly like one ``forward_backward`` call; an iteration is as many
+rounds as cover its microbatches, then the host optimizer step. Also the steady-state
+iteration time the partitioner minimises (docs/design.md#simulator).
 """
 
 from __future__ import annotations

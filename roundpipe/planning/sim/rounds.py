@@ -1,14 +1,10 @@
 """Successive RoundPipe rounds and iterations as one op graph for the engine.
 
-Each job of a round contributes its program (``roundpipe.core.program.job_program``, the
-one the runtime executes) with a duration per op from the cost model; this module
-adds what links programs: handoffs between jobs, a weight upload waiting for the job
-two back on its device (and, asynchronously, for the weights two steps back), the
-host dispatching a round once the previous round's last loss is known, and the host
-optimizer stepping a stage once its last gradients are home. Ops are numbered in the
-order they are added; the engine replays them as :class:`~roundpipe.planning.sim.engine.OpArrays`.
-Labelled :class:`~roundpipe.planning.sim.engine.Op` values (for timelines) and memory
-intervals are made only when ``record`` is set: scoring a plan needs neither.
+Each job contributes its program (``roundpipe.core.program.job_program``, the one the
+runtime executes) with a duration per op; this module adds what links programs
+(handoffs, flow control, round dispatch, optimizer steps) and numbers the ops for
+:class:`~roundpipe.planning.sim.engine.OpArrays` (docs/design.md#simulator). Labels and
+memory intervals are made only when ``record`` is set: scoring a plan needs neither.
 """
 
 from __future__ import annotations

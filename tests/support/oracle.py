@@ -44,6 +44,20 @@ def reference_loss_and_grads(
     return total
 
 
+def pytorch_sgd_step(
+    model: nn.Module, x: torch.Tensor, y: torch.Tensor, num_microbatch: int, lr: float
+) -> nn.Module:
+    """A copy of ``model`` after one SGD step (``lr``) on the summed microbatch losses
+    of ``(x, y)``, its gradients zeroed again."""
+    model = copy.deepcopy(model)
+    xs, ys = x.tensor_split(num_microbatch), y.tensor_split(num_microbatch)
+    for xm, ym in zip(xs, ys, strict=True):
+        mse_sum(model(xm), ym).backward()
+    torch.optim.SGD(model.parameters(), lr=lr).step()
+    model.zero_grad()
+    return model
+
+
 def train_reference(
     model: nn.Module,
     batches: list,

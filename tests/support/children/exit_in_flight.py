@@ -22,13 +22,14 @@ import os
 import sys
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:0] = [os.path.dirname(os.path.dirname(HERE)), os.path.dirname(HERE), HERE]
+HERE = os.path.dirname(os.path.abspath(__file__))  # tests/support/children
+TESTS = os.path.dirname(os.path.dirname(HERE))
+sys.path[:0] = [os.path.dirname(TESTS), TESTS, HERE]
 
 import torch  # noqa: E402
-from oracle import batch, mlp, mse_sum  # noqa: E402
 
 from roundpipe import EmulatedOptions, OpInfo, RoundPipe, RoundPipeRunConfig  # noqa: E402
+from support.oracle import batch, mlp, mse_sum  # noqa: E402
 
 STALL_S = 20
 MODE = sys.argv[1]

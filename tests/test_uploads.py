@@ -1,4 +1,4 @@
-"""Activation and input uploads as CUDA issues them (issue 7).
+"""Activation and input uploads as CUDA issues them.
 
 - **Memory at issue time.** An upload's device memory is taken by the issuing thread
   when it issues the upload, as CUDA's caching allocator takes it, not when the upload
@@ -20,7 +20,7 @@ import time
 
 import pytest
 import torch
-from oracle import mse_sum
+from support.oracle import mse_sum
 from torch import nn
 
 from roundpipe import RoundPipe, RoundPipeRunConfig

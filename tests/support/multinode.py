@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]  # tests/support/multinode.py
 
 
 def free_port() -> int:
@@ -65,7 +65,7 @@ def launch(scenario: str, world: int, tmp_path: Path, timeout: float = 120, **pa
         args = json.dumps({"scenario": scenario, "out": str(tmp_path), "params": params})
         procs.append(
             subprocess.Popen(
-                [sys.executable, str(ROOT / "tests" / "multinode.py"), args],
+                [sys.executable, str(ROOT / "tests" / "support" / "multinode.py"), args],
                 cwd=ROOT,
                 env=env,
                 stdout=subprocess.PIPE,
@@ -83,8 +83,9 @@ def launch(scenario: str, world: int, tmp_path: Path, timeout: float = 120, **pa
 
 def _main() -> None:
     spec = json.loads(sys.argv[1])
-    import multinode_scenarios
     import torch.distributed as dist
+
+    from support import multinode_scenarios
 
     torch.set_num_threads(1)
     timeout = datetime.timedelta(seconds=spec["params"].get("pg_timeout_s", 60))

@@ -15,9 +15,9 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from multinode import finish, free_port
+from support.multinode import finish, free_port
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]  # tests/support/train_ranks.py
 
 
 def _env(extra: dict[str, str] | None = None) -> dict[str, str]:

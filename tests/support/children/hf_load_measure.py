@@ -1,4 +1,4 @@
-"""Child: load a checkpoint with ``RoundPipe.from_pretrained`` and report host memory.
+"""Child: load a checkpoint with ``roundpipe.from_pretrained`` and report host memory.
 
 Usage: python hf_load_measure.py full|lora DIR. Prints one JSON line (bytes):
 
@@ -24,7 +24,8 @@ import time
 import peft
 import torch
 
-from roundpipe import Plan, RoundPipe, RoundPipeRunConfig
+import roundpipe
+from roundpipe import Plan, RoundPipeRunConfig
 from roundpipe.hf.safetensors_io import is_mapped
 
 
@@ -71,7 +72,7 @@ class AnonPeak:
 
 def measure_full(directory: str) -> dict:
     baseline = current_rss()
-    pipe = RoundPipe.from_pretrained(directory, torch_dtype=torch.bfloat16, devices="emulated:2")
+    pipe = roundpipe.from_pretrained(directory, torch_dtype=torch.bfloat16, devices="emulated:2")
     loaded = peak_rss()
     masters = list(pipe.optim_parameters())
     result = {
@@ -88,7 +89,7 @@ def measure_lora(directory: str) -> dict:
     baseline = anon_bytes()
     with AnonPeak() as anon:
         lora = peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"])
-        pipe = RoundPipe.from_pretrained(
+        pipe = roundpipe.from_pretrained(
             directory, torch_dtype=torch.bfloat16, lora=lora, devices="emulated:2"
         )
         layers = pipe.num_layers

@@ -1,18 +1,20 @@
-"""One rule for failures, wherever their error surfaces (decided semantics of issue 6).
+"""When a failure discards gradients and when it keeps them, wherever its error surfaces.
 
 - A failed CALL never has its gradients reach a step. If it accumulated any gradient,
   every gradient accumulated since the last step before it is discarded, the exception
   carries a note saying so, and a queued step whose calls include it is skipped (weights
   unchanged). This holds whether the error surfaces at the next ``forward_backward``,
-  ``step``, ``synchronize`` or ``close``.
-- A failed call that accumulated nothing (a shape error in layer 0's forward) keeps the
-  gradients of the good calls before it.
+  ``step``, ``synchronize`` or ``close``; and after a fault at any site (a layer's
+  forward, recompute or backward, the loss function, out of memory, a transfer) the
+  next call trains like plain PyTorch.
+- A failed call that accumulated nothing (a shape or dtype error in layer 0's forward)
+  keeps the gradients of the good calls before it.
 - A failing ``step_fn`` KEEPS the gradients (sync or async, wherever its error is
-  reported): a retried step applies them, as in PyTorch.
-- A layer raising ``StopIteration`` raises ``StopIteration`` with its own message, not
-  ``RuntimeError: generator raised StopIteration``.
+  reported, with a GradScaler too): a retried step applies them, as in PyTorch. What
+  it did to the weights before it raised is not rolled back, as in PyTorch.
 
 Every "after the failure" check trains one more call and compares with plain PyTorch.
+What the errors say is tested in ``test_error_messages.py``.
 """
 
 from __future__ import annotations
@@ -25,14 +27,26 @@ from collections.abc import Callable
 
 import pytest
 import torch
-from oracle import (
+from support.faults import (
+    IN_FORWARD_AND_BACKWARD_STAGE,
+    IN_FUSED_STAGE,
+    FaultyLayer,
+    fail_transfer,
+    failing_loss,
+    failing_step,
+    oversized_batch,
+    run_failed_async_step,
+    sgd_step,
+    train_call,
+)
+from support.oracle import (
     assert_weights_close,
     batch,
     mlp,
     mse_sum,
+    pytorch_sgd_step,
     reference_loss_and_grads,
 )
-from test_errors import FaultyLayer
 from torch import nn
 
 from roundpipe import EmulatedOptions, RoundPipe, RoundPipeRunConfig
@@ -44,15 +58,6 @@ SETTLE_S = 0.5  # time for a background failure to finish before the next public
 
 def sgd(params) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=LR)
-
-
-def sgd_step(optimizer: torch.optim.Optimizer) -> Callable[[], None]:
-    return lambda: (optimizer.step(), optimizer.zero_grad())
-
-
-def train_call(model: RoundPipe, seed: int) -> torch.Tensor:
-    x, y = batch(seed=seed)
-    return model.forward_backward((x,), label=y, loss_fn=mse_sum)
 
 
 def notes(error: BaseException) -> str:
@@ -89,7 +94,7 @@ def pytorch_sgd(reference: nn.Module, steps: list[list[int]]) -> nn.Module:
 class BackwardFault:
     """Armed: the next backward of the faulty layer waits for ``release``, then raises.
 
-    A switch for test_errors' ``FaultyLayer``: it fires in the ``"backward"`` phase only.
+    A switch for ``support.faults.FaultyLayer``: it fires in the ``"backward"`` phase only.
     """
 
     def __init__(self) -> None:
@@ -233,6 +238,59 @@ def test_background_failure_reported_by_close_skips_the_queued_step(
         )
 
 
+# -- a fault at each site: the next call trains like PyTorch --------------------------
+
+
+@pytest.mark.parametrize(
+    "position, phase, at",
+    [(IN_FORWARD_AND_BACKWARD_STAGE, "forward", 1), (IN_FUSED_STAGE, "grad forward", 2)],
+    ids=["forward-stage", "fused-stage"],
+)
+def test_model_trains_like_pytorch_after_a_layer_error(
+    position, phase, at, faulty, error_of, trains_like_pytorch
+):
+    model, reference, switch = faulty(position)
+    switch.arm(phase, at=at)
+    error_of(train_call, model)
+    trains_like_pytorch(model, reference)
+
+
+def test_model_trains_like_pytorch_after_backward_stage_error(
+    faulty, no_hang, error_of, trains_like_pytorch
+):
+    model, reference, switch = faulty(IN_FORWARD_AND_BACKWARD_STAGE)
+    switch.arm("grad forward", at=2)
+    no_hang(train_call, model)
+    error_of(model.step, lambda: None, is_async=False)
+    trains_like_pytorch(model, reference)
+
+
+def test_model_trains_like_pytorch_after_loss_fn_error(faulty, error_of, trains_like_pytorch):
+    model, reference, _ = faulty(IN_FUSED_STAGE)
+    error_of(train_call, model, loss_fn=failing_loss(at=2))
+    trains_like_pytorch(model, reference)
+
+
+def test_model_trains_like_pytorch_after_oom_with_a_smaller_batch(
+    faulty, error_of, trains_like_pytorch
+):
+    model, reference, _ = faulty(
+        IN_FUSED_STAGE, emulated_options=EmulatedOptions(capacity_bytes=16384)
+    )
+    x, y = oversized_batch()
+    error_of(model.forward_backward, (x,), label=y, loss_fn=mse_sum)
+    trains_like_pytorch(model, reference)
+
+
+def test_model_trains_like_pytorch_after_failed_transfer(
+    faulty, error_of, monkeypatch, trains_like_pytorch
+):
+    model, reference, _ = faulty(IN_FUSED_STAGE)
+    fail_transfer(monkeypatch, model.pool.devices[0], "copy_in", "act_upload", at=2)
+    error_of(train_call, model)
+    trains_like_pytorch(model, reference)
+
+
 # -- a failed call that accumulated nothing -------------------------------------------
 
 
@@ -272,7 +330,33 @@ def test_shape_error_in_layer_0_has_no_discard_note(model_with_a_shape_error):
     assert not says_gradients_were_discarded(error), f"a discard note: {notes(error)!r}"
 
 
-# -- a failing step_fn keeps the gradients ---------------------------------------------
+BAD_INPUT_CONFIG = RoundPipeRunConfig(num_microbatch=3, execute_plan="2,2|2,1,1,1,1")
+
+
+@pytest.mark.parametrize(
+    "bad_input",
+    [lambda x: x.double(), lambda x: x[:, :5]],
+    ids=["wrong-dtype", "wrong-shape"],
+)
+def test_a_bad_input_to_layer_zero_keeps_the_gradients_of_earlier_calls(bad_input, wrap, no_hang):
+    model, reference = wrap(mlp(), devices="emulated:3", model_run_config=BAD_INPUT_CONFIG)
+    optimizer = torch.optim.SGD(model.optim_parameters(), lr=0.1)
+    good = [batch(seed=1), batch(seed=2)]
+    no_hang(model.forward_backward, (good[0][0],), label=good[0][1], loss_fn=mse_sum)
+    with pytest.raises(RuntimeError):  # Linear(8, 16) refuses the input
+        no_hang(model.forward_backward, (bad_input(good[0][0]),), label=good[0][1], loss_fn=mse_sum)
+    no_hang(model.forward_backward, (good[1][0],), label=good[1][1], loss_fn=mse_sum)
+    no_hang(model.step, sgd_step(optimizer), is_async=False)
+    no_hang(model.synchronize)
+
+    expected = copy.deepcopy(reference)
+    for x, y in good:
+        reference_loss_and_grads(expected, x, y, BAD_INPUT_CONFIG.num_microbatch)
+    torch.optim.SGD(expected.parameters(), lr=0.1).step()
+    assert_weights_close(model.model, expected)
+
+
+# -- a failing step_fn keeps the gradients --------------------------------------------
 
 
 STEP_CONFIG = RoundPipeRunConfig(num_microbatch=NUM_MICROBATCH, execute_plan="2,2|2,1,1,1,1")
@@ -348,43 +432,80 @@ def test_calls_after_a_failing_step_fn_accumulate_on_the_kept_gradients(wrap, no
     assert_weights_close(model.model, pytorch_sgd(reference, [[1, 2]]))
 
 
-# -- StopIteration from a layer ---------------------------------------------------------
+def sgd_applied(reference: nn.Module, times: int) -> nn.Module:
+    """``reference`` after ``times`` SGD steps (lr 0.1) with the gradients of one call."""
+    expected = copy.deepcopy(reference)
+    x, y = batch()
+    reference_loss_and_grads(expected, x, y, NUM_MICROBATCH)
+    optimizer = torch.optim.SGD(expected.parameters(), lr=0.1)
+    for _ in range(times):
+        optimizer.step()
+    return expected
 
 
-class StopsIteration(nn.Module):
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        raise StopIteration("injected stop in a layer")
+def test_failing_synchronous_step_leaves_the_weights_as_step_fn_left_them(
+    faulty, no_hang, error_of
+):
+    # step_fn ran optimizer.step() and then raised: like PyTorch, nothing is rolled back.
+    model, reference, _ = faulty(IN_FUSED_STAGE)
+    optimizer = torch.optim.SGD(model.optim_parameters(), lr=0.1)
+    no_hang(train_call, model)
+    error_of(model.step, failing_step(optimizer), is_async=False)
+    no_hang(model.synchronize)
+    expected = sgd_applied(reference, times=1)
+    for got, want in zip(model.model.parameters(), expected.parameters(), strict=True):
+        torch.testing.assert_close(got.detach(), want.detach(), atol=1e-6, rtol=1e-6)
 
 
-STOP_CONFIG = RoundPipeRunConfig(num_microbatch=NUM_MICROBATCH, execute_plan="2,2|2,1,1,1,1")
-IN_FORWARD_STAGE = 1  # forward stage 0 holds layers 0-1
-IN_FUSED_STAGE = 5  # the fused stage holds layers 4-5
+def test_failed_synchronous_step_can_be_retried_with_the_kept_gradients(faulty, no_hang, error_of):
+    # The gradients are kept, so the retry applies them again, as PyTorch would.
+    model, reference, _ = faulty(IN_FUSED_STAGE)
+    optimizer = torch.optim.SGD(model.optim_parameters(), lr=0.1)
+    no_hang(train_call, model)
+    error_of(model.step, failing_step(optimizer), is_async=False)
+    no_hang(model.step, sgd_step(optimizer), is_async=False)
+    no_hang(model.synchronize)
+    expected = sgd_applied(reference, times=2)
+    for got, want in zip(model.model.parameters(), expected.parameters(), strict=True):
+        torch.testing.assert_close(got.detach(), want.detach(), atol=1e-6, rtol=1e-6)
 
 
-def model_with_stop_at(wrap, position: int) -> RoundPipe:
-    layers = list(mlp(depth=5))
-    layers.insert(position, StopsIteration())
-    model, _ = wrap(nn.Sequential(*layers), devices="emulated:3", model_run_config=STOP_CONFIG)
-    return model
+def test_model_trains_like_pytorch_after_failing_async_step(
+    faulty, no_hang, error_of, trains_like_pytorch
+):
+    model, reference, _ = faulty(IN_FUSED_STAGE)
+    optimizer = torch.optim.SGD(model.optim_parameters(), lr=0.1)
+    run_failed_async_step(model, no_hang)
+    error_of(train_call, model)  # reports the step's failure; this call does not run
+    no_hang(model.step, sgd_step(optimizer), is_async=False)  # applies the kept gradients
+    trains_like_pytorch(model, sgd_applied(reference, times=2))
 
 
-def infer(model: RoundPipe) -> torch.Tensor:
-    with torch.no_grad():  # grad mode is per thread, so it is entered on the calling one
-        return model(batch()[0])
+SCALER_CONFIG = RoundPipeRunConfig(num_microbatch=3)
 
 
-@pytest.mark.parametrize(
-    "position, run",
-    [
-        pytest.param(IN_FORWARD_STAGE, lambda model: train_call(model, 1), id="forward-stage"),
-        pytest.param(IN_FUSED_STAGE, lambda model: train_call(model, 1), id="fused-stage"),
-        pytest.param(IN_FORWARD_STAGE, infer, id="inference"),
-    ],
-)
-def test_stop_iteration_in_a_layer_reaches_the_caller_as_itself(position, run, wrap, no_hang):
-    model = model_with_stop_at(wrap, position)
-    with pytest.raises(StopIteration) as caught:
-        no_hang(run, model)
-    message = str(caught.value)
-    assert "injected stop in a layer" in message, message
-    assert re.search(rf"\blayer {position}\b", message), f"layer {position} not named: {message}"
+def test_retrying_a_failed_step_with_a_grad_scaler_applies_the_unscaled_gradients(no_hang):
+    net = mlp()
+    x, y = batch()
+    expected = pytorch_sgd_step(net, x, y, SCALER_CONFIG.num_microbatch, LR)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**4)
+    pipe = RoundPipe(net, devices="emulated:2", model_run_config=SCALER_CONFIG, grad_scaler=scaler)
+    try:
+        optimizer = torch.optim.SGD(pipe.optim_parameters(), lr=LR)
+        no_hang(pipe.forward_backward, (x,), label=y, loss_fn=mse_sum)
+
+        def flaky() -> None:
+            raise ValueError("transient failure before the optimizer ran")
+
+        def step_fn() -> None:
+            scaler.step(optimizer)
+            scaler.update()
+            optimizer.zero_grad()
+
+        with pytest.raises(ValueError, match="transient"):
+            no_hang(pipe.step, flaky, is_async=False)
+        no_hang(pipe.step, step_fn, is_async=False)  # the retry a failing step_fn allows
+        no_hang(pipe.synchronize)
+        assert_weights_close(pipe.model, expected)
+    finally:
+        no_hang(pipe.close)

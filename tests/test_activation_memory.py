@@ -65,9 +65,9 @@ def test_a_boundary_download_tells_the_profiler_its_layer() -> None:
 def test_the_memory_fit_counts_the_measured_activations() -> None:
     profiler = _profiler()
     profiler.record_boundary(ACTIVATION)  # dear hops (5 ms): few, big stages win...
-    unfit = AutoPlanner(profiler, None).current(8, 9, MIB)
+    unfit = AutoPlanner(profiler.cost_model, None).current(8, 9, MIB)
     assert not _fits_with_activations(unfit)  # ...where no budget holds them back
-    planned = AutoPlanner(profiler, [BUDGET] * 8).current(8, 9, MIB)
+    planned = AutoPlanner(profiler.cost_model, [BUDGET] * 8).current(8, 9, MIB)
     assert _fits_with_activations(planned)
     assert _largest_backward_stage(planned) < _largest_backward_stage(unfit)
     costs = profiler.cost_model(MIB)
@@ -79,7 +79,7 @@ def test_the_planner_replans_to_fit_once_it_measured_larger_activations() -> Non
     small = ACTIVATION // 10
     profiler = _profiler(gbps=1.0)  # a slow link: hops of the small activation are dear
     profiler.record_boundary(small)
-    planner = AutoPlanner(profiler, [BUDGET] * 8)
+    planner = AutoPlanner(profiler.cost_model, [BUDGET] * 8)
     first = planner.plan(8, 9, MIB)
     assert _fits_with_activations(first, small)
     assert not _fits_with_activations(first)

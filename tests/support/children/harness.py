@@ -1,7 +1,7 @@
 """Helpers shared by the interrupt/lifecycle tests and the child scripts they start.
 
-Importable two ways: as ``children.harness`` from a test module (``tests/`` is on
-``sys.path`` under pytest) and as ``harness`` from a child script in this folder.
+Importable two ways: as ``support.children.harness`` from a test module (``tests/`` is
+on ``sys.path`` under pytest) and as ``harness`` from a child script in this folder.
 Nothing here uses pytest, so a child process can run the same checks.
 """
 
@@ -19,8 +19,8 @@ from typing import Any
 import torch
 from torch import nn
 
-CHILDREN = os.path.dirname(os.path.abspath(__file__))
-TESTS = os.path.dirname(CHILDREN)
+CHILDREN = os.path.dirname(os.path.abspath(__file__))  # tests/support/children
+TESTS = os.path.dirname(os.path.dirname(CHILDREN))
 REPO = os.path.dirname(TESTS)
 
 
@@ -113,7 +113,8 @@ def assert_consistent(
     num_microbatch: int,
     limit_s: float | None = 20.0,
 ) -> None:
-    """The SPEC's check after a ``synchronize()``: the model is consistent and exact.
+    """The check after a ``synchronize()`` that an interrupt or a failure must pass: the
+    model is consistent and exact.
 
     * the masters (``optim_parameters()``) equal the model's parameters exactly;
     * one more ``forward_backward`` + synchronous SGD ``step`` gives the loss and the
@@ -124,7 +125,7 @@ def assert_consistent(
     ``optimizer`` must be a plain SGD over ``pipe.optim_parameters()``. The model's
     calls run under :func:`run_within` (``limit_s``), or directly if it is None.
     """
-    from oracle import batch, mse_sum, reference_loss_and_grads
+    from support.oracle import batch, mse_sum, reference_loss_and_grads
 
     params = list(pipe.model.parameters())
     weights = [p.detach().clone() for p in params]

@@ -1,4 +1,4 @@
-"""The bounded, reusable pool of page-locked host blocks downloads land in (issue 7).
+"""The bounded, reusable pool of page-locked host blocks downloads land in.
 
 Below the runtime, :class:`HostBlockPool` with a fake backend: size classes a few per
 cent apart, reuse once the last tensor viewing a block died and the copies recorded
@@ -14,7 +14,7 @@ import gc
 
 import pytest
 import torch
-from oracle import batch, mlp, mse_sum
+from support.oracle import batch, mlp, mse_sum
 
 from roundpipe import EmulatedOptions, RoundPipe, RoundPipeRunConfig
 from roundpipe.devices import EmulatedDevicePool

@@ -1,4 +1,4 @@
-"""What each rank of a multi-node test runs (see ``tests/multinode.py``)."""
+"""What each rank of a multi-node test runs (see ``tests/support/multinode.py``)."""
 
 from __future__ import annotations
 
@@ -9,10 +9,11 @@ import time
 
 import torch
 import torch.distributed as dist
-from oracle import batch, mlp, mse_sum
 
+import roundpipe
 from roundpipe import EmulatedOptions, RoundPipe, RoundPipeRunConfig
 from roundpipe.cluster import CommOptions
+from support.oracle import batch, mlp, mse_sum
 
 
 def make_optimizer(name: str, params):
@@ -191,7 +192,7 @@ def hf(rank: int, *, steps: int = 2, save_to: str | None = None, **_: object) ->
     from test_hf_from_hf import build
 
     world = dist.get_world_size()
-    pipe = RoundPipe.from_hf(
+    pipe = roundpipe.from_hf(
         build("qwen3").double(),
         devices="emulated:2",
         model_run_config=RoundPipeRunConfig(num_microbatch=1),

@@ -20,14 +20,15 @@ import threading
 # Background shells start children with SIGINT ignored; Python then leaves it ignored.
 signal.signal(signal.SIGINT, signal.default_int_handler)
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:0] = [os.path.dirname(os.path.dirname(HERE)), os.path.dirname(HERE), HERE]
+HERE = os.path.dirname(os.path.abspath(__file__))  # tests/support/children
+TESTS = os.path.dirname(os.path.dirname(HERE))
+sys.path[:0] = [os.path.dirname(TESTS), TESTS, HERE]
 
 import torch  # noqa: E402
 from harness import assert_consistent, sgd_step  # noqa: E402
-from oracle import batch, mlp, mse_sum  # noqa: E402
 
 from roundpipe import RoundPipe, RoundPipeRunConfig  # noqa: E402
+from support.oracle import batch, mlp, mse_sum  # noqa: E402
 
 STALL_S = 15
 MIN_ITERATIONS = 20

@@ -3,16 +3,16 @@
 Usage: ``trace_injection.py METHOD [--raise]`` (a key of ``SCENARIOS``, or ``close``).
 
 A trace hook, set on the main thread only, simulates a SIGINT arriving at one line
-event of the caller-side orchestration (``roundpipe/model.py`` and every file under
-``roundpipe/runtime/``), once per run: at that line it calls the Python-level SIGINT
+event of the caller-side orchestration (``roundpipe/model/__init__.py`` and every file
+under ``roundpipe/runtime/``), once per run: at that line it calls the Python-level SIGINT
 handler installed at that moment, which is what the interpreter does when a real
 SIGINT lands there. With Python's default handler that raises KeyboardInterrupt at
 that very line; a handler the runtime installed (to defer Ctrl-C) runs instead.
 
 With ``--raise`` the hook is stricter than any real Ctrl-C: it raises
 KeyboardInterrupt itself at each line event of the public methods and the session
-code they run (``roundpipe/model.py``, ``roundpipe/runtime/session.py``), even where
-the runtime defers SIGINT.
+code they run (``roundpipe/model/__init__.py``, ``roundpipe/runtime/session.py``), even
+where the runtime defers SIGINT.
 
 A dry run lists the method's line events; the injected runs then hit each of them
 (every event, or past ``MAX_INJECTIONS`` every distinct line plus a stride of the
@@ -44,15 +44,16 @@ from typing import Any
 # Background shells start children with SIGINT ignored; Python then leaves it ignored.
 signal.signal(signal.SIGINT, signal.default_int_handler)
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:0] = [os.path.dirname(os.path.dirname(HERE)), os.path.dirname(HERE), HERE]
+HERE = os.path.dirname(os.path.abspath(__file__))  # tests/support/children
+TESTS = os.path.dirname(os.path.dirname(HERE))
+sys.path[:0] = [os.path.dirname(TESTS), TESTS, HERE]
 
 import torch  # noqa: E402
 from harness import assert_consistent, sgd_step  # noqa: E402
-from oracle import batch, mlp, mse_sum  # noqa: E402
 
 import roundpipe  # noqa: E402
 from roundpipe import RoundPipe, RoundPipeRunConfig  # noqa: E402
+from support.oracle import batch, mlp, mse_sum  # noqa: E402
 
 LIMIT_S = 20  # no step (a public call, or the exactness check) may take longer
 MAX_INJECTIONS = 400  # per method, unless it has more distinct lines than that
@@ -62,7 +63,7 @@ LR = 1e-3  # small enough that hundreds of steps on one batch never diverge
 
 PACKAGE = os.path.dirname(os.path.realpath(roundpipe.__file__))
 RUNTIME = os.path.join(PACKAGE, "runtime") + os.sep
-MODEL_PY = os.path.join(PACKAGE, "model.py")
+MODEL_PY = os.path.join(PACKAGE, "model", "__init__.py")  # the RoundPipe class
 SESSION_PY = os.path.join(RUNTIME, "session.py")
 RAISE = "--raise" in sys.argv[2:]
 
@@ -83,7 +84,7 @@ _orchestration: dict[str, bool] = {}
 
 
 def is_orchestration(filename: str) -> bool:
-    """Caller-side orchestration code: roundpipe/model.py and roundpipe/runtime/*."""
+    """Caller-side orchestration code: roundpipe/model/__init__.py and roundpipe/runtime/*."""
     known = _orchestration.get(filename)
     if known is None:
         path = os.path.realpath(filename)

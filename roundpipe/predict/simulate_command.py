@@ -1,0 +1,363 @@
+"""``roundpipe simulate``: the subcommand's parser and its run, from options to printed
+results (exit code 0; bad values raise ``ValueError``, which the command line turns into
+exit code 2). Synthetic mode simulates uniform layers (:mod:`roundpipe.planning.sim`);
+model-level mode predicts a real model on a GPU preset (:mod:`.models`, :mod:`.nodes`)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from ..core.plan import Plan, PlanError
+from ..planning.partition import auto_plan
+from ..planning.sim.baselines import BASELINES, simulate_baseline
+from ..planning.sim.costs import CostModel, LayerCosts
+from ..planning.sim.result import SimResult
+from ..planning.sim.roundpipe_schedule import simulate_roundpipe
+from .gpus import GPU_PRESETS, PCIE_BANDWIDTH, PRECISIONS, gpu_preset
+from .model_specs import MODEL_PRESETS, ModelSpec, model_preset
+from .models import DEFAULT_HOST_BANDWIDTH, Prediction, Workload, max_seq_len, predict
+from .nodes import GRAD_BYTES, Network, NodesPrediction, predict_nodes, scaling_table
+
+SCHEDULES = ("roundpipe", *BASELINES)
+_MS = 1e-3
+
+DESCRIPTION = """\
+The ``roundpipe`` command line: ``roundpipe simulate ...`` and ``roundpipe train ...``
+(the latter in :mod:`roundpipe.train.command`).
+
+Two modes of ``simulate``:
+
+- synthetic: ``--layers L --fwd-ms F --bwd-ms B --head-fwd-ms HF --head-bwd-ms HB
+  --comm-ms C`` describe L identical transformer layers plus an LM head, and every
+  chosen schedule is simulated for ``--gpus N`` and ``--microbatches M``;
+- model-level: ``--model Qwen3-8B`` (or ``--config config.json``) with ``--gpu
+  rtx4090 --seq-len 4096 --batch 16`` predicts tokens/s, per-GPU memory and host RAM,
+  and whether each fits (``--lora R``, ``--precision``, ``--pcie``, ``--host-ram``,
+  ``--host-bandwidth``); ``--max-seq-len`` answers only the longest sequence that fits;
+  ``--nodes K --network-gbps G`` predicts RoundPipe on K such boxes (data parallel,
+  :mod:`roundpipe.predict.nodes`), ``--scaling`` for K = 1, 2, 4, ... 64.
+"""
+
+
+def add_simulate_parser(commands: Any) -> argparse.ArgumentParser:
+    """Register ``simulate`` on the ``roundpipe`` command's subparsers."""
+    sim = commands.add_parser(
+        "simulate",
+        help="simulate RoundPipe and weight-bound baselines",
+        description=DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    sim.add_argument("--schedule", choices=(*SCHEDULES, "all"), default="all")
+    sim.add_argument("--gpus", type=int, default=8, help="number of devices N")
+    sim.add_argument("--microbatches", type=int, help="microbatches per iteration M")
+    sim.add_argument("--layers", type=int, default=32, help="transformer layers L")
+    sim.add_argument("--fwd-ms", type=float, default=1.0, help="layer forward, per microbatch")
+    sim.add_argument("--bwd-ms", type=float, default=2.0, help="layer backward (no recompute)")
+    sim.add_argument("--head-fwd-ms", type=float, default=3.0, help="LM head + loss forward")
+    sim.add_argument("--head-bwd-ms", type=float, default=6.0, help="LM head + loss backward")
+    sim.add_argument("--comm-ms", type=float, default=0.0, help="transfer per stage boundary")
+    sim.add_argument("--round-size", type=int, help="RoundPipe microbatches per round (N)")
+    sim.add_argument(
+        "--partition",
+        help="RoundPipe: 'fwd,...|bwd,...' (first bwd entry = layers fused with the head, "
+        "may be 0); baselines: layers per (virtual) stage, the head joins the last one. "
+        "Applied to the schedules it fits; the others get their best partition",
+    )
+    sim.add_argument("--json", action="store_true", help="one JSON object per schedule")
+    sim.add_argument("--trace", type=Path, help="Chrome trace JSON (per schedule if several)")
+    sim.add_argument("--gantt", type=Path, help="Gantt chart PNG (per schedule if several)")
+    sim.add_argument("--no-recompute", action="store_true", help="baselines stash activations")
+    sim.add_argument("--chunks", type=int, default=2, help="virtual stages per GPU (interleaved)")
+    model = sim.add_argument_group(
+        "model-level mode (will it fit, how fast, against what)",
+        "Calibrated against the published RoundPipe measurements (bench/README.md).",
+    )
+    model.add_argument(
+        "--model", help=f"preset: {', '.join(s.name for s in MODEL_PRESETS.values())}"
+    )
+    model.add_argument("--config", type=Path, help="a Hugging Face config.json (dense or MoE)")
+    model.add_argument("--gpu", default="rtx4090", help=f"preset: {', '.join(GPU_PRESETS)}")
+    model.add_argument("--precision", choices=PRECISIONS, default="bf16")
+    model.add_argument("--pcie", type=int, choices=sorted(PCIE_BANDWIDTH), help="PCIe generation")
+    model.add_argument(
+        "--host-bandwidth",
+        type=float,
+        default=DEFAULT_HOST_BANDWIDTH / 1e9,
+        help="host memory GB/s shared by all copies and the CPU optimizer",
+    )
+    model.add_argument("--host-ram", type=float, help="host RAM in GB (default: this machine's)")
+    model.add_argument("--seq-len", type=int, default=4096)
+    model.add_argument("--batch", type=int, default=16, help="sequences per iteration")
+    model.add_argument("--lora", type=int, metavar="R", help="train rank-R LoRA adapters only")
+    model.add_argument(
+        "--mfu", type=float, help="override the calibrated matmul efficiency, in (0, 1]"
+    )
+    model.add_argument(
+        "--max-seq-len",
+        action="store_true",
+        help="only the longest sequence that fits at batch 1 (layer recompute)",
+    )
+    nodes = sim.add_argument_group(
+        "across nodes (model-level, RoundPipe only)",
+        "Data parallelism over K boxes of --gpus GPUs; --batch is the global batch and "
+        "must be a multiple of K.",
+    )
+    nodes.add_argument("--nodes", type=int, metavar="K", help="boxes joined by a network")
+    nodes.add_argument(
+        "--network-gbps", type=float, default=100.0, help="Gb/s per node, full duplex"
+    )
+    nodes.add_argument(
+        "--grad-reduce-dtype", choices=tuple(GRAD_BYTES), default="fp32", help="gradient wire dtype"
+    )
+    nodes.add_argument("--scaling", action="store_true", help="table for K = 1, 2, 4, ... 64")
+    sim.set_defaults(run=run_simulate)
+    return sim
+
+
+def run_simulate(args: argparse.Namespace) -> int:
+    """The ``simulate`` subcommand: print every chosen schedule's simulation or prediction."""
+    _validate(args)
+    if args.model or args.config:
+        return _predict(args)
+    names = SCHEDULES if args.schedule == "all" else (args.schedule,)
+    costs = CostModel(
+        LayerCosts.uniform(
+            args.layers,
+            args.fwd_ms * _MS,
+            args.bwd_ms * _MS,
+            args.head_fwd_ms * _MS,
+            args.head_bwd_ms * _MS,
+        ),
+        comm=args.comm_ms * _MS,
+    )
+    microbatches = args.microbatches or args.gpus
+    for name in names:
+        try:
+            result = _run_schedule(name, costs, args, microbatches)
+        except ValueError as unsupported:
+            if len(names) == 1:
+                raise
+            _print_skip(name, str(unsupported), args.json)
+            continue
+        _print_result(result, args.json)
+        _export(result, args, several=len(names) > 1)
+    return 0
+
+
+def _run_schedule(name: str, costs: CostModel, args, microbatches: int) -> SimResult:
+    partition = args.partition
+    if name == "roundpipe":
+        if partition and "|" in partition:
+            plan = _roundpipe_plan(partition)
+        else:
+            plan = auto_plan(costs, args.gpus, microbatches, round_size=args.round_size)
+        result = simulate_roundpipe(
+            plan, costs, args.gpus, microbatches, round_size=args.round_size
+        )
+        return replace(result, detail=f"partition {_cli_partition(plan)}, {result.detail}")
+    sizes = None
+    chunks = args.chunks if name in ("interleaved-1f1b", "looped-bfs") else 1
+    if partition and "|" not in partition:
+        layer_sizes = [int(n) for n in partition.split(",")]
+        if len(layer_sizes) == args.gpus * chunks:
+            sizes = [*layer_sizes[:-1], layer_sizes[-1] + 1]  # the head joins the last stage
+    return simulate_baseline(
+        name,
+        costs,
+        args.gpus,
+        microbatches,
+        stage_sizes=sizes,
+        chunks=args.chunks,
+        recompute=not args.no_recompute,
+    )
+
+
+def _roundpipe_plan(text: str) -> Plan:
+    """``--partition`` counts transformer layers; the simulator's head is one more unit."""
+    plan = Plan.parse(text)
+    if not plan.backward:
+        raise PlanError(f"the partition {text!r} has no backward stages")
+    return Plan(plan.forward, (plan.backward[0] + 1, *plan.backward[1:]))
+
+
+def _cli_partition(plan: Plan) -> str:
+    """The inverse of :func:`_roundpipe_plan`: how ``--partition`` would spell ``plan``."""
+    return str(Plan(plan.forward, (plan.backward[0] - 1, *plan.backward[1:])))
+
+
+def _predict(args: argparse.Namespace) -> int:
+    if args.config:
+        spec = ModelSpec.from_config(_read_config(args.config), args.config.stem)
+    else:
+        spec = model_preset(args.model)
+    names = SCHEDULES if args.schedule == "all" else (args.schedule,)
+    work = Workload(
+        seq_len=args.seq_len,
+        batch=args.batch,
+        mfu=args.mfu,
+        precision=args.precision,
+        lora_rank=args.lora or 0,
+        host_bandwidth=args.host_bandwidth * 1e9,
+        pcie=args.pcie,
+        round_size=args.round_size,
+    )
+    gpu = gpu_preset(args.gpu)
+    if args.max_seq_len:
+        longest = max_seq_len(spec, gpu, work)
+        if args.json:
+            print(json.dumps({"model": spec.name, "gpu": gpu.name, "max_seq_len": longest}))
+        else:
+            print(f"{spec.name} on {gpu.name}: up to {longest} tokens at batch 1")
+        return 0
+    host_ram = int(args.host_ram * 1e9) if args.host_ram else _machine_ram()
+    if args.nodes is not None or args.scaling:
+        return _predict_nodes(args, spec, gpu, work, host_ram)
+    predictions = predict(spec, gpu, work, args.gpus, schedules=names, host_ram=host_ram)
+    if not args.json:
+        active = f", {spec.active_params / 1e9:.2f}B active" if spec.is_moe else ""
+        lora = f", LoRA rank {args.lora}" if args.lora else ""
+        print(
+            f"{spec.name} ({spec.num_params / 1e9:.2f}B params{active}{lora}) on {args.gpus}x "
+            f"{gpu.name} ({args.precision}), seq {args.seq_len}, batch {args.batch}"
+        )
+    for prediction in predictions:
+        _print_prediction(prediction, args.json)
+    return 0
+
+
+def _predict_nodes(args, spec: ModelSpec, gpu, work: Workload, host_ram: int) -> int:
+    nodes = 1 if args.nodes is None else args.nodes
+    network = Network(nodes, args.network_gbps, args.grad_reduce_dtype)
+    if args.scaling:
+        rows = scaling_table(spec, gpu, work, args.gpus, network, host_ram)
+    else:
+        rows = [predict_nodes(spec, gpu, work, args.gpus, network, host_ram)]
+    if not args.json:
+        print(
+            f"{spec.name} on nodes of {args.gpus}x {gpu.name} ({args.precision}), "
+            f"{args.network_gbps:g} Gb/s, {args.grad_reduce_dtype} gradient reduction, "
+            f"seq {args.seq_len}, global batch {args.batch}"
+        )
+    for row in rows:
+        _print_nodes(row, args.json)
+    return 0
+
+
+def _print_nodes(p: NodesPrediction, as_json: bool) -> None:
+    if as_json:
+        print(json.dumps(p.to_dict()))
+        return
+    host = (
+        "" if p.host_ram_per_node is None else f"  host RAM/node {p.host_ram_per_node / 1e9:.1f} GB"
+    )
+    print(
+        f"{p.nodes:3d} nodes {p.tokens_per_s:9.0f} tokens/s  efficiency {p.scaling_efficiency:6.1%}"
+        f"  iteration {p.iteration_time:6.2f} s  comm {p.comm_time:6.2f} s"
+        f" ({p.exposed_comm:.2f} s exposed){host}"
+    )
+
+
+def _read_config(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except OSError as error:
+        raise ValueError(f"cannot read the model config {path}: {error.strerror}") from None
+    except json.JSONDecodeError as error:
+        raise ValueError(f"the model config {path} is not JSON: {error}") from None
+
+
+def _machine_ram() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def _validate(args: argparse.Namespace) -> None:
+    """Exit 2 with a message on values no simulation can use."""
+    positive = {
+        "--gpus": args.gpus,
+        "--microbatches": args.microbatches,
+        "--layers": args.layers,
+        "--round-size": args.round_size,
+        "--chunks": args.chunks,
+        "--seq-len": args.seq_len,
+        "--batch": args.batch,
+        "--lora": args.lora,
+        "--host-ram": args.host_ram,
+        "--host-bandwidth": args.host_bandwidth,
+        "--nodes": args.nodes,
+        "--network-gbps": args.network_gbps,
+    }
+    for flag, value in positive.items():
+        if value is not None and value <= 0:
+            raise ValueError(f"{flag} must be positive, got {value}")
+    if args.mfu is not None and not 0 < args.mfu <= 1:
+        raise ValueError(f"--mfu is a fraction of peak FLOP/s in (0, 1], got {args.mfu}")
+    if args.model and args.config:
+        raise ValueError("give --model or --config, not both")
+    if args.gantt:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise ValueError("--gantt needs matplotlib: pip install 'roundpipe[plot]'") from None
+
+
+def _print_result(result: SimResult, as_json: bool) -> None:
+    if as_json:
+        print(json.dumps(result.to_dict()))
+        return
+    b = result.bubbles
+    steady = result.steady_bubble_ratio
+    print(
+        f"{result.schedule:17s} makespan {result.makespan / _MS:9.2f} ms  "
+        f"iteration {(result.iteration_time or result.makespan) / _MS:9.2f} ms  "
+        f"bubble {b.total:6.1%} (fill {b.fill:5.1%} switch {b.switch:5.1%} "
+        f"drain {b.drain:5.1%} steady {b.steady:5.1%})  "
+        f"steady-state bubble {steady if steady is None else format(steady, '6.1%')}  "
+        f"exposed comm {result.exposed_comm / _MS:.2f} ms  [{result.detail}]"
+    )
+
+
+def _print_prediction(p: Prediction, as_json: bool) -> None:
+    if as_json:
+        print(json.dumps(p.to_dict()))
+        return
+    gpu = _fit_text(p.fits, p.gpu_memory, p.gpu_budget)
+    host = (
+        ""
+        if p.host_ram is None
+        else f"  host RAM {_fit_text(p.host_ram_fits, p.host_ram, p.host_ram_budget)}"
+    )
+    longest = "" if p.max_seq_len is None else f"  max seq {p.max_seq_len}"
+    print(
+        f"{p.schedule:17s} {p.tokens_per_s:10.0f} tokens/s  GPU {gpu}{host}{longest}  [{p.detail}]"
+    )
+
+
+def _fit_text(fits: bool | None, need: int, budget: int | None) -> str:
+    if budget is None:
+        return f"needs {need / 1e9:.1f} GB"
+    verdict = "fits" if fits else "does not fit"
+    return f"{verdict}: needs {need / 1e9:.1f} GB of {budget / 1e9:.1f} GB"
+
+
+def _print_skip(name: str, reason: str, as_json: bool) -> None:
+    if as_json:
+        print(json.dumps({"schedule": name, "skipped": reason}))
+    else:
+        print(f"{name:17s} skipped: {reason}")
+
+
+def _export(result: SimResult, args: argparse.Namespace, several: bool) -> None:
+    title = f"{result.schedule}: {result.detail}"
+    if args.trace:
+        result.timeline.save_chrome_trace(_per_schedule(args.trace, result.schedule, several))
+    if args.gantt:
+        result.timeline.save_gantt(_per_schedule(args.gantt, result.schedule, several), title)
+
+
+def _per_schedule(path: Path, schedule: str, several: bool) -> Path:
+    return path.with_name(f"{path.stem}.{schedule}{path.suffix}") if several else path
