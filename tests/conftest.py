@@ -1,16 +1,26 @@
-"""Fixtures shared by the runtime tests: a hang guard, auto-closed models, the PyTorch
-oracle, and the six-layer model with a faulty layer (``support/faults.py``)."""
+"""Fixtures shared by the tests.
+
+The runtime tests: a hang guard, auto-closed models, the PyTorch oracle, and the
+six-layer model with a faulty layer (``support/faults.py``). The emulator tests: pools
+and gates driven below the runtime (``support/emulator.py``). The ``roundpipe train``
+tests: a tiny BPE tokenizer and JSONL files, and the inputs and finished runs of the
+command, built once per session (``support/train_cli.py``).
+"""
 
 from __future__ import annotations
 
 import copy
+import json
 import threading
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 from support import faults
+from support.bpe_tokenizer import make_tokenizer
+from support.emulator import Harness
 from support.oracle import (
     assert_grads_close,
     assert_weights_close,
@@ -18,9 +28,12 @@ from support.oracle import (
     mse_sum,
     reference_loss_and_grads,
 )
+from support.train_cli import finish_train_runs, write_train_files
 from torch import nn
 
 from roundpipe import RoundPipe, RoundPipeRunConfig
+
+# -- the runtime tests -----------------------------------------------------------------
 
 HANG_LIMIT_S = 30.0
 
@@ -123,3 +136,55 @@ def faulty(wrap) -> Callable[..., tuple[RoundPipe, nn.Module, faults.FaultSwitch
         return model, reference, switch
 
     return build
+
+
+# -- the emulator tests ----------------------------------------------------------------
+
+
+@pytest.fixture
+def harness() -> Iterator[Harness]:
+    """Emulated pools and host-completed gates (``support/emulator.py``), released when
+    the test ends."""
+    h = Harness()
+    try:
+        yield h
+    finally:
+        h.close()
+
+
+# -- the roundpipe.train tests ---------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    """The tiny byte-level BPE tokenizer with ChatML special tokens
+    (``support/bpe_tokenizer.py``); a module may define its own ``tokenizer``."""
+    return make_tokenizer()
+
+
+@pytest.fixture
+def write_jsonl(tmp_path) -> Callable[..., Path]:
+    """``write_jsonl(lines)``: a file holding ``lines`` (dicts as JSON, strings as they are)."""
+
+    def write(lines, name="data.jsonl"):
+        path = tmp_path / name
+        text = "\n".join(line if isinstance(line, str) else json.dumps(line) for line in lines)
+        path.write_text(text + "\n", encoding="utf-8")
+        return path
+
+    return write
+
+
+@pytest.fixture(scope="session")
+def train_files(tmp_path_factory) -> dict[str, Path]:
+    """The inputs of the ``roundpipe train`` tests: a tiny model, data in each format,
+    eval data (``support/train_cli.py``), built once per session."""
+    return write_train_files(tmp_path_factory.mktemp("train"))
+
+
+@pytest.fixture(scope="session")
+def train_runs(train_files) -> dict[str, Path]:
+    """One finished ``roundpipe train`` run per data format (three processes, run once
+    per session and shared by ``test_train_cli.py``, ``test_train_resume.py`` and
+    ``test_train_errors.py``): the output directories, which no test may change."""
+    return finish_train_runs(train_files)

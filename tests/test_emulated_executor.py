@@ -1,7 +1,7 @@
 """One executor thread per emulated device runs the ops of all its streams.
 
 What the executor adds to the stream semantics pinned down in
-``test_emulator_fidelity.py``:
+``test_emulated_memory.py`` and ``test_emulated_copies.py``:
 
 - **Overlap.** Ops of different streams of one device run side by side in modelled
   time, as kernels and copies do on a GPU: a 50 ms kernel and a 50 ms copy take

@@ -12,8 +12,9 @@ StopIteration``.
 
 The model and its plan are described in ``support/faults.py``. Whether the gradients of
 a failed call are kept, and that the model trains like PyTorch after each of these
-faults, is tested in ``test_gradient_rules.py``; close and threads after a failure in
-``test_lifecycle.py``.
+faults, is tested in ``test_failed_call_gradients.py`` and
+``test_failed_step_gradients.py``; close and threads after a failure in
+``test_close_and_exit.py``.
 """
 
 from __future__ import annotations

@@ -256,12 +256,6 @@ def test_a_zero_size_batch_is_rejected_without_suggesting_zero_microbatches(wrap
     assert "num_microbatch=0" not in str(caught.value)
 
 
-def test_pickling_a_model_says_to_save_its_state_dict(wrap):
-    model, _ = wrap(mlp(), devices="emulated:2")
-    with pytest.raises(TypeError, match="state_dict"):
-        pickle.dumps(model)
-
-
 @pytest.mark.parametrize("trained", [False, True], ids=["fresh", "trained"])
 def test_pickling_a_model_raises_type_error_saying_to_save_its_state_dict(trained, wrap, no_hang):
     model, _ = wrap(mlp(depth=4), devices="emulated:2", model_run_config=config())

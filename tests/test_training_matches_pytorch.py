@@ -1,4 +1,4 @@
-"""RoundPipe's loss, gradients and trained weights equal single-device PyTorch (fp32)."""
+"""RoundPipe's loss, gradients, outputs and trained weights equal single-device PyTorch (fp32)."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from support.oracle import (
     reference_loss_and_grads,
     train_reference,
 )
+from support.pipes import pipe_on
 
 from roundpipe import EmulatedOptions, Plan, RoundPipe, RoundPipeRunConfig
 
@@ -140,6 +141,30 @@ def test_several_calls_before_a_step_accumulate_gradients():
         for x, y in halves:
             reference_loss_and_grads(reference, x, y, 3)
         assert_grads_close(wrapped.model, reference)
+
+
+def test_synchronize_never_drops_pending_gradients():
+    x, y = batch()
+    model = mlp()
+    reference = copy.deepcopy(model)
+    with pipe_on(model, devices=2, num_microbatch=3) as wrapped:
+        wrapped.forward_backward((x,), label=y, loss_fn=mse_sum)
+        wrapped.synchronize()
+        wrapped.synchronize()
+        wrapped.forward_backward((x,), label=y, loss_fn=mse_sum)
+        wrapped.synchronize()
+    for _ in range(2):
+        reference_loss_and_grads(reference, x, y, 3)
+    assert_grads_close(model, reference)
+
+
+def test_forward_backward_can_return_merged_outputs():
+    model = mlp()
+    reference = copy.deepcopy(model)
+    x, y = batch()
+    with pipe_on(model, devices=2, num_microbatch=4) as wrapped:
+        _, outputs = wrapped.forward_backward((x,), label=y, loss_fn=mse_sum, return_outputs=True)
+    torch.testing.assert_close(outputs, reference(x).detach())
 
 
 def test_results_do_not_depend_on_the_device_count():

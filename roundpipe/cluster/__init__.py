@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ..devices import DevicePool
+from ..devices.base import DevicePool
 from ..runtime.layers import LayerBinding
 from ..runtime.params import ParameterStore
 from .comm import Comm, PeerFailure

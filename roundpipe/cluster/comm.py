@@ -1,18 +1,10 @@
 """The collectives one RoundPipe model issues between nodes, on ``torch.distributed``.
 
-Two gloo groups over the ranks of the model's process group: the caller's thread
-(call starts, losses) and the host optimizer thread (gradients, weights) issue
-collectives at the same time, each in an order every rank shares, so each needs its
-own group — two threads issuing on one group could pair different collectives
-across ranks. With the ``"nccl"`` backend the buckets (gradients and weights) travel
-on a third, NCCL group instead, staged through a buffer on a local GPU (NCCL moves
-device memory only); small exchanges stay on gloo. NCCL is chosen by ``"auto"`` when
-this build of PyTorch has it and the model's devices are CUDA devices.
-
-Every collective that fails (a peer exited, raised or timed out) raises
-:class:`PeerFailure` naming this rank, what it was doing and, where the rendezvous
-store tells, the ranks that did not answer; after the group's timeout at the
-latest, so no rank waits forever.
+The caller's thread and the host optimizer thread each issue theirs on a gloo group of
+its own, since two threads issuing on one group could pair different collectives
+across ranks; with NCCL the buckets travel on a third group. A failed collective raises
+:class:`PeerFailure` naming this rank, what it was doing and the ranks that did not
+answer, after the group's timeout at the latest (docs/design.md#several-nodes).
 """
 
 from __future__ import annotations
@@ -39,7 +31,7 @@ class PeerFailure(RoundPipeError):
 
 
 class Comm:
-    """This node's side of the collectives of one model (see the module doc)."""
+    """This node's side of the collectives of one model (docs/design.md#several-nodes)."""
 
     def __init__(
         self,

@@ -1,20 +1,9 @@
 """Which node owns which parameter, and the buckets gradients and weights travel in.
 
 Pure: the same inputs give the same layout on every rank, which is what lets every
-rank issue the same collectives in the same order.
-
-Ownership is by whole tensor (as ``ZeroRedundancyOptimizer`` does): a node holds the
-fp32 master, the reduced gradient and the optimizer state of the tensors it owns, so
-any optimizer that treats tensors one at a time (Adam, AdamW, SGD, Adafactor, LAMB's
-per-tensor trust ratio) runs unchanged on a node's share. A bucket is a run of
-consecutive layers (at least ``bucket_numel`` elements unless it is the last) whose
-gradients become final together in the backward; its tensors are spread over the
-nodes largest first, each to the node owning the fewest elements so far, so both
-every bucket and the whole model are balanced as well as whole tensors allow.
-In a collective each node's share of a bucket is one segment, padded to the
-longest share (``Bucket.segment``). A tensor of at least ``bucket_numel`` elements
-(an embedding, an LM head) travels in a bucket of its own, reduced to its owner and
-broadcast from it, so no node pads a segment to its size.
+rank issue the same collectives in the same order. Ownership is by whole tensor, so
+any optimizer that treats tensors one at a time runs unchanged on a node's share
+(docs/design.md#several-nodes).
 """
 
 from __future__ import annotations
@@ -76,7 +65,7 @@ class ShardLayout:
 
 
 def shard_layout(specs: list[TensorSpec], world: int, bucket_numel: int) -> ShardLayout:
-    """Buckets and owners for ``specs`` on ``world`` nodes (see the module doc)."""
+    """Buckets and owners for ``specs`` on ``world`` nodes (docs/design.md#several-nodes)."""
     if world < 1:
         raise ValueError(f"world must be >= 1, got {world}")
     if bucket_numel < 1:

@@ -27,7 +27,7 @@ GRAD_REDUCTIONS = ("sum", "mean")
 
 
 class NodeSync:
-    """This node's side (see the module doc)."""
+    """This node's side of a model's work across nodes (docs/design.md#several-nodes)."""
 
     def __init__(
         self,

@@ -1,20 +1,9 @@
 """Which checkpoint tensors fill which tensors of a model (pure logic, no I/O).
 
-A model tensor (a parameter or a persistent buffer) may have several names: tied
-parameters (``lm_head.weight`` and ``model.embed_tokens.weight`` with
-``tie_word_embeddings``) are one tensor, filled from whichever of its names the
-checkpoint holds, as ``transformers`` ties them. Usually a checkpoint tensor fills a
-model tensor of the same name. The one layout ``transformers`` 5 writes differently
-for the supported families is the Mixture-of-Experts one (Qwen3-MoE): the model holds
-each layer's experts stacked (``mlp.experts.gate_up_proj``: E × 2I × H, every
-expert's gate rows then its up rows; ``mlp.experts.down_proj``: E × H × I), while
-``save_pretrained`` writes one tensor per expert and projection
-(``mlp.experts.{e}.gate_proj.weight``, ``up_proj``, ``down_proj``); those are
-copied into their slices of the stacked tensor.
-
-:func:`plan_loading` pairs them up and refuses a checkpoint that lacks a tensor the
-model needs, or holds one the model has no place for (except those ``transformers``
-itself ignores), naming them.
+:func:`plan_loading` pairs them up as ``transformers`` loads them (a tied tensor from
+whichever of its names the checkpoint holds, per-expert tensors into their slices of
+stacked experts) and refuses, naming them, a checkpoint that lacks a tensor the model
+needs or holds one it has no place for (docs/design.md#hugging-face-models).
 """
 
 from __future__ import annotations
@@ -107,7 +96,8 @@ def plan_loading(
 
 
 def _expert_pieces(target: ModelTensor, stored: dict[str, StoredTensor]) -> list[Piece]:
-    """The per-expert tensors that make up a stacked experts tensor (see the module doc)."""
+    """The per-expert tensors that make up a stacked experts tensor
+    (docs/design.md#hugging-face-models)."""
     prefix, _, kind = target.names[0].rpartition(".")
     parts = _STACKED_EXPERTS.get(kind)
     if not prefix.endswith("experts") or parts is None or len(target.shape) != 3:

@@ -1,26 +1,10 @@
 """A Hugging Face decoder-only causal LM cut into RoundPipe layers.
 
 One generic adapter serves every supported family: an embedding layer, one layer per
-decoder layer, and a head (final norm, LM head and the loss). The layers hold the
-model's own modules, so its parameters are trained in place and keep their names.
-
-What crosses a stage boundary is ``(hidden, attention_mask, position_ids, labels,
-router_sums)``: the hidden states (the only big tensor that needs a gradient), the B×S
-0/1 attention mask, the B×S position ids of packed sequences (``None`` otherwise), the
-labels (integers) and, for a MoE model whose config asks for the router loss, the
-running sums that loss is built from (:mod:`.router`; ``None`` otherwise). Each
-decoder layer rebuilds what it needs from them on its device: the position ids
-(``0 … S−1`` unless given), rotary tables and the causal/padding mask — block-diagonal
-for packed sequences, whose positions restart at 0 — as the model's own forward builds
-them, so nothing O(S²) travels between stages.
-
-The head computes the cross-entropy of the shifted labels in chunks of tokens, each
-recomputed in backward (``torch.utils.checkpoint``), so the fp32 logits of the whole
-sequence never exist at once. It returns the *sum* of the token losses of its
-microbatch (plus the router loss of the microbatch times its number of label tokens);
-the caller divides by the number of label tokens in the whole batch, which makes the
-call's loss the batch mean ``model(**batch).loss`` computes (with the router loss of
-each microbatch weighted by its share of the label tokens).
+decoder layer and a head (final norm, LM head, chunked loss), holding the model's own
+modules. Between stages travels ``(hidden, attention_mask, position_ids, labels,
+router_sums)``; each decoder layer rebuilds its positions, rotary tables and mask on
+its device (docs/design.md#hugging-face-models).
 """
 
 from __future__ import annotations

@@ -1,19 +1,10 @@
 """The MoE router's auxiliary (load-balancing) loss, computed across pipeline stages.
 
-``transformers`` adds ``router_aux_loss_coef × aux`` to a MoE model's loss when
-``config.output_router_logits`` is set, where ``aux`` (Switch Transformer's load
-balancing loss, ``load_balancing_loss_func``) is built from three sums over every
-routed token of every layer: how many times each expert was chosen in the top-k, the
-router probability each expert received, and the number of tokens (padding excluded
-when there is an attention mask). Sums add across layers, so each decoder layer adds
-its own to a small running total that travels with the hidden states — ``E`` counts,
-``E`` probabilities (the only part with a gradient) and one token count — and the
-head turns the totals into ``aux``, as the model does for the same (micro)batch.
-
-The router's logits are read by a forward hook on the router module (the class
-``transformers`` itself records them from). The hook records only while a layer of
-this thread is inside :func:`capture`, so concurrent stages on other devices, and the
-model used on its own, are unaffected.
+The loss ``transformers`` adds with ``output_router_logits`` is built from sums over
+the routed tokens of every layer, so each decoder layer adds its own to a small running
+total that travels with the hidden states, and the head turns the totals into the loss;
+a forward hook on the router, active only inside :func:`capture`, reads the logits
+(docs/design.md#router-loss).
 """
 
 from __future__ import annotations

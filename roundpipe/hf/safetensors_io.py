@@ -1,25 +1,9 @@
 """Reading safetensors checkpoints one tensor at a time, or as views of a file mapping.
 
-A safetensors file is an 8-byte little-endian header length ``N``, ``N`` bytes of
-JSON (``{name: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__":
-{...}}``), then the tensors' bytes, little-endian, offsets counted from the end of
-the header. :func:`checkpoint_tensors` reads every header of a model directory (one
-``model.safetensors``, or the shards a ``model.safetensors.index.json`` names) and
-checks them against the file sizes before anything is loaded, so a truncated or
-corrupt file is refused up front with its name.
-
-Two ways to get a tensor's values:
-
-- :func:`read_into` reads them with plain file reads straight into a host tensor
-  (through a one-tensor buffer if the dtype differs). Reads go through the page
-  cache, which is not this process's memory, so loading costs one copy of the
-  weights.
-- :class:`FileMappings` maps each file copy-on-write (``MAP_PRIVATE``) and returns
-  views into the mapping: no copy at all. The pages are the page cache's, dropped
-  under memory pressure and read again when touched; a write goes to a private copy
-  of the page, never to the file. The storage of every such view carries the
-  attribute :data:`MAPPED_FILE_ATTR` (the file's path), which tells the CUDA backend
-  not to page-lock it (see ``CudaDevicePool.pin``).
+Every header of a model directory is checked against the file sizes before anything
+is loaded; then a tensor is read straight into its host tensor (:func:`read_into`) or
+viewed in a copy-on-write mapping of its file (:class:`FileMappings`), so the weights
+are never held twice (docs/design.md#hugging-face-models).
 """
 
 from __future__ import annotations

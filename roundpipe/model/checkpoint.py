@@ -1,29 +1,10 @@
 """Full training-state checkpoints: ``RoundPipe.save_checkpoint`` / ``load_checkpoint``.
 
-A checkpoint is a directory:
-
-- ``weights.safetensors``: every trainable parameter in the model dtype
-  (``param/<name>``) and every buffer (``buffer/<name>``). Frozen parameters (a LoRA
-  model's base) never change, so only a sample of each is kept (``frozen/<name>``: its
-  first and last elements), enough to refuse a checkpoint saved over other base weights;
-  they come back from the model the checkpoint is loaded into;
-- ``masters.safetensors``: the fp32 (``optim_dtype``) masters and their accumulated
-  gradients (``grad/<name>``), by the names ``optim_named_parameters()`` gives;
-- ``optimizer.safetensors`` + the ``optimizer`` entry of ``state.json``: the
-  optimizer's tensors and the rest of its state dict;
-- ``rng.safetensors``: the random generators the runtime draws from (CPU, devices);
-- ``state.json``: format, parameter names, scheduler and GradScaler state, ``extra``.
-
-On several nodes (``process_group``) saving and loading are collective: every rank
-writes its own complete checkpoint of this layout into ``path/rank<r>-of-<K>`` (its
-share of the masters and optimizer state; the weights, which every node holds whole),
-tagged with a save id all ranks share; loading needs the same number of nodes and
-refuses shards of different saves.
-
-Saving first waits for queued work (a ``synchronize``). It is atomic: the files are
-written (and flushed to disk) into a temporary directory that then replaces ``path``;
-a save killed half-way leaves the previous checkpoint, at ``path`` or, if the kill
-fell between the two renames of the swap, at ``path.old``, which loading falls back to.
+A run continues from a checkpoint exactly as the saved one would have: the weights,
+the masters and their gradients, the optimizer, scheduler, scaler and RNG states go
+into one directory of safetensors files and ``state.json``, written atomically (a save
+killed half-way leaves the previous checkpoint), and sharded by rank on several nodes
+(docs/design.md#checkpoints).
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ import torch
 from ..core.config import RoundPipeRunConfig
 from ..core.keys import Activation, InputGrad
 from ..core.schedule import lower_unfused
-from ..devices import Slot
+from ..devices.base import Slot
 from ..runtime.call import Call
 from ..runtime.deferred import attach_backward, check_backward_allowed
 from ..runtime.microbatch import merge_outputs

@@ -1,17 +1,8 @@
 """What one pipelined call is: its schedule, microbatches, and who hands what to whom.
 
-Handoff keys in a call's :class:`~roundpipe.runtime.sync.Mailbox`:
-
-- ``Activation(i, m)``: the input of layer ``i`` for microbatch ``m``, in host memory
-  (``i == 0`` is the user's input). Read by the job that starts at layer ``i`` and,
-  if ``i`` is a recompute entry point, by the backward job that recomputes from it.
-- ``RngState(i, m)``: the RNG state the forward drew from when it ran layer ``i``.
-- ``InputGrad(i, m)``: the gradient w.r.t. the input of layer ``i``.
-- ``Loss(m)`` and ``Output(m)``: what the fused stage hands back to the caller.
-
-Every value crossing a stage boundary is an ``(args, kwargs)`` pair: layer 0 is
-called as ``layer(*args, **kwargs)`` with the user's inputs, every later layer with
-the previous layer's output as its single argument, as ``nn.Sequential`` does.
+A :class:`Call` is frozen: what it runs, on which weights, with which loss, and the
+caller's autocast settings; its mailbox of typed handoff keys, its latch and its job
+claims are how its jobs and its caller meet (docs/design.md#handoffs).
 """
 
 from __future__ import annotations
@@ -27,7 +18,7 @@ from ..core.config import RoundPipeRunConfig
 from ..core.keys import Activation, HandoffKey, InputGrad
 from ..core.program import CallShape, JobProgram, handoffs, readers, recompute_inputs
 from ..core.schedule import Job, JobKind, Schedule
-from ..devices import Slot
+from ..devices.base import Slot
 from .sync import Handoff, Latch, Mailbox, wait_event
 from .versions import VersionState
 

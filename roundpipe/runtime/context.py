@@ -10,7 +10,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from ..core.schedule import Job, JobKind
-from ..devices import Device, Event
+from ..devices.base import Device, Event
 from .call import Call
 from .layers import LayerBinding
 from .params import ParameterStore

@@ -1,14 +1,8 @@
 """The failure rules, each decided here and nowhere else (docs/design.md#failure-rules).
 
-- The gradients of a failed call never reach a step. A call counts as failed if one
-  of its jobs failed or the caller never got its result (it was interrupted).
-- If a failed call accumulated any gradient, every gradient since the last step is
-  discarded (they cannot be told apart); a step whose calls include a failed one is
-  skipped. On several nodes a failure on any rank skips the step on every rank, and
-  the gradients, already handed to the reduction, are discarded everywhere.
-- A failing ``step_fn`` keeps the gradients (retry the step, as in PyTorch).
-- Once a failure was reported the model is usable again; the error says so, and what
-  became of the gradients.
+Whether a call counts as failed, which gradients its failure discards, and what the
+reported error says about the model and its gradients: the session and the optimizer
+thread ask here and apply the answers.
 """
 
 from __future__ import annotations

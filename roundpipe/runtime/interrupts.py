@@ -1,15 +1,9 @@
 """Ctrl-C only where the runtime can take it: deferred SIGINT on the driving thread.
 
-While the main thread is inside a public method, SIGINT does not raise at whatever
-bytecode it lands on (between a ledger update and the work it announces, or inside
-a lock's ``__exit__``); the handler only notes it. The note is turned into the
-handler's ``KeyboardInterrupt`` at *interrupt points* — inside the host waits
-(which poll while deferring) and when the public method is left. So an interrupt
-never tears the runtime's own bookkeeping, and a long wait still answers Ctrl-C
-within :data:`POLL_S`.
-
-Nothing is installed when the calling thread is not the main thread, or when
-SIGINT is ignored or left to the OS (no ``KeyboardInterrupt`` can arise then).
+While the main thread is inside a public method the SIGINT handler only notes a Ctrl-C;
+the note becomes ``KeyboardInterrupt`` at interrupt points (host waits, which poll every
+:data:`POLL_S`, and the method's exit), so an interrupt never tears the runtime's own
+bookkeeping and a long wait still answers it (docs/design.md#threads-and-interrupts).
 """
 
 from __future__ import annotations

@@ -1,20 +1,9 @@
 """Issuing a job's device ops by interpreting its program (:mod:`roundpipe.core.program`).
 
-The prefetch thread has issued the program's weight ops (:mod:`.prefetch`); a
-:class:`JobIssuer` issues the rest, in program order, on the worker's issue thread,
-without waiting on the device except for the program's host waits. For each op it
-makes the op's stream wait for the ops of other streams it reads (``inputs``),
-submits the op, and records an event where a later op or a reader needs one. Work the
-host must do after device work (accumulating gradients, writing back buffers) is
-handed to the worker's completer thread.
-
-Uploads take their device memory here, when issued, as CUDA's caching allocator takes
-it (:class:`~.transfer.Upload`). An upload of a value another job downloads waits
-first until the compute op producing it was launched: that op hands the value's shapes
-over (:class:`~.transfer.Shapes`), so the issuer sizes the upload before the value is
-on the host (on CUDA at once, as ops are launched when issued).
-An upload reading pageable host memory is marked so: issuing it blocks this thread
-until the copy was staged, as on CUDA.
+The prefetch thread issues the program's weight ops; a :class:`JobIssuer` issues the
+rest, in program order, on the worker's issue thread, without waiting on the device
+except for the program's host waits, taking each upload's device memory when issued, as
+CUDA's caching allocator does (docs/design.md#issuing-a-job).
 """
 
 from __future__ import annotations
@@ -29,7 +18,7 @@ from ..core import program as P
 from ..core.keys import Activation, InputGrad, RngState, key_label
 from ..core.program import DeviceOp, JobProgram
 from ..core.schedule import JobKind
-from ..devices import Event, OpInfo, Slot, Stream
+from ..devices.base import Event, OpInfo, Slot, Stream
 from ..errors import failure_site
 from .context import JobContext
 from .prefetch import StageWeights

@@ -1,23 +1,9 @@
 """Uploading a stage's weights ahead of its compute (docs/design.md#weight-prefetch).
 
-Runs on a device worker's *prefetch* thread, so a stage's upload is issued while
-the device still computes the stage before it. Two rules make this safe and fast on
-a real GPU, where memory is taken when the host allocates it and copy engines serve
-copies in issue order:
-
-- **Memory bound.** The caller waits, on the host, until the job ``prefetch_stages``
-  + 1 back on the device has finished before allocating (see ``DeviceWorker``), so a
-  device never holds more than ``prefetch_stages`` + 1 stages of weights.
-- **Activations first.** With ``gate_weight_chunks`` the chunks (at most
-  ``weight_chunk_bytes`` each) are issued one at a time: the host issues a chunk once
-  the one before it has been copied, and makes it wait for the activation uploads
-  pending at that moment. An activation upload therefore waits for at most the one
-  chunk being copied when it became ready. Without gating every chunk is issued at
-  once and a later activation upload waits for all of them.
-
-Weights in pageable memory (``pin_model="off"``, a memory-mapped LoRA base) are copied
-synchronously by CUDA: issuing such a chunk blocks this thread until it is staged
-(``OpInfo.pageable``; the emulator does the same).
+Runs on a device worker's *prefetch* thread, so a stage's upload is issued while the
+device still computes the stage before it. The weights' device memory is taken here,
+when issued, and their chunks are gated behind pending activation uploads, because on
+a GPU copy engines serve copies in issue order.
 """
 
 from __future__ import annotations
@@ -29,7 +15,7 @@ import torch
 
 from ..core.program import UPLOAD_BUFFERS, JobProgram, job_program, plan_chunks
 from ..core.schedule import JobKind
-from ..devices import Event, OpInfo, Slot
+from ..devices.base import Event, OpInfo, Slot
 from ..errors import failure_site
 from .context import JobContext
 from .profiler import TransferTiming

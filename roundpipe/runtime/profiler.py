@@ -1,21 +1,10 @@
-"""Per-layer timings and link costs measured while training, smoothed, for the planner
+"""Per-layer timings and link costs measured while training, smoothed, for the planner.
+
+:class:`LayerProfiler` records each layer's forward and recompute and each stage's
+backward as timed on the device, the link bandwidths from the transfers the runtime
+already does, and the activation bytes at stage boundaries;
+:meth:`LayerProfiler.cost_model` hands them to the partitioner
 (docs/design.md#automatic-planning).
-
-Forward and recompute times are measured layer by layer (device timers around each
-layer's kernels). A backward stage's backward is one autograd call, so its time is
-shared among its layers in proportion to their forward times. Before a layer has
-been measured its times are estimated from its parameter count (backward = 2x
-forward).
-
-The link is measured from the transfers the runtime already does (weight-chunk
-uploads, activation and gradient downloads), timed on their streams like compute:
-host→device and device→host bandwidth, smoothed the same way, and the size of one
-microbatch's activation at a stage boundary: the mean prices an activation hop, the
-largest seen at each layer's input is the activation memory a stage holds per
-microbatch for that layer, which the partitioner's memory fit counts (a stage must fit
-in half a device's budget). :meth:`LayerProfiler.cost_model` hands all of it to the
-partitioner; until a direction is measured its bandwidth is infinite and activation
-hops are free.
 """
 
 from __future__ import annotations
@@ -27,7 +16,7 @@ from collections.abc import Iterator, Sequence
 
 from torch import nn
 
-from ..devices import Device
+from ..devices.base import Device
 from ..planning.sim.costs import CostModel, LayerCosts
 
 _ESTIMATE_SECONDS_PER_PARAM = 1e-9

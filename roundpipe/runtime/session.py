@@ -1,15 +1,9 @@
 """The caller's side of a RoundPipe model: calls and steps in flight, failures, lifetime.
 
-Everything a public method changes lives in one immutable :class:`~.ledger.Ledger`,
-replaced by a single assignment *before* the work it announces is handed to a
-thread; the session is its only writer (threads that learn something about a call,
-such as "it accumulated gradients", report it through a callable the session gave
-them). Every public method first :meth:`Session.repair` s the background to match
-the ledger (jobs of a call whose issuing was cut short are cancelled, a step that
-was recorded but not queued is queued). So an interrupt at any line leaves a model
-that the next call, ``synchronize()`` or ``close()`` can use: nothing ever waits for
-work that was never issued. What a failure does to gradients is :mod:`.failures`'
-business (docs/design.md#calls-and-sessions).
+:class:`Session` is the only writer of the caller's bookkeeping, one immutable
+:class:`~.ledger.Ledger` replaced before the work it announces is handed to a thread,
+and every public method first repairs the background to match it, so an interrupt at
+any line leaves a model that the next call can use (docs/design.md#calls-and-sessions).
 """
 
 from __future__ import annotations
@@ -21,7 +15,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import NoReturn
 
-from ..devices import DevicePool
+from ..devices.base import DevicePool
 from ..errors import RoundPipeError
 from . import failures, interrupts, lifetime
 from .call import Call

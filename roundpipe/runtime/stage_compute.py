@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from ..core.keys import Activation, InputGrad, Loss, Output, RngState
-from ..devices import OpInfo, Slot, Timer
+from ..devices.base import OpInfo, Slot, Timer
 from ..errors import failure_site
 from .context import JobContext
 from .transfer import grads_of_inputs, inplace_safe, pair_outputs_with_grads

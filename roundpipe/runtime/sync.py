@@ -16,7 +16,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
-from ..devices import Event, Slot
+from ..devices.base import Event, Slot
 from . import interrupts
 
 

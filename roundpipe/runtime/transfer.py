@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from ..devices import Device, Event, Slot, Stream
+from ..devices.base import Device, Event, Slot, Stream
 
 
 def _plain_tensors(tree: Any, leaf: type | tuple[type, ...] = torch.Tensor) -> bool:

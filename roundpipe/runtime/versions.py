@@ -1,25 +1,9 @@
 """Weight versions: which weights each call uploads, and how steps publish new ones.
 
-Version ``v`` is the weights after ``v`` optimizer steps (a skipped or failing step
-also makes a version: the masters as the step left them). Every trainable
-parameter has two upload buffers in the model dtype: the user's own parameter
-tensor (``HOME``) and a spare (``SPARE``). At most two versions live at once, and
-:class:`VersionState` records explicitly which buffer holds which — there is no
-parity rule.
-
-- Asynchronous step ``k``: calls after it read version ``k - 1``; the step
-  publishes ``k`` into the buffer *not* holding ``k - 1``, whose readers (calls
-  issued before step ``k``) finished before the step ran.
-- Synchronous step ``k`` and :meth:`WeightVersions.make_current`: the next call
-  reads the newest version.
-- External writes (``load_state_dict``, in-place writes) are adopted by
-  :meth:`WeightVersions.make_current`, with nothing in flight: the masters take the
-  written values and the next call reads them.
-
-The caller-side state is an immutable :class:`VersionState` held by the session,
-which replaces it with one assignment, so an interrupt never leaves it half-changed.
-The buffers themselves are written by the optimizer thread (:meth:`publish`) or with
-nothing in flight (:meth:`make_current`).
+This module owns the rule of which version a call reads: :class:`WeightVersions` holds
+the two upload buffers of every trainable parameter, and :class:`VersionState` records
+which buffer holds which version as immutable data, which the session replaces with one
+assignment, so an interrupt never leaves it half-changed (docs/design.md#weight-versions).
 """
 
 from __future__ import annotations

@@ -1,23 +1,10 @@
 """A device worker: the host threads that issue stage jobs to one device.
 
-Every job goes, in schedule order, through two issuing threads:
-
-- the *prefetch* thread claims the job, waits on the host until the job
-  ``prefetch_stages`` + 1 back on this device has finished (the memory bound: device
-  memory is taken when the host allocates it), then allocates the stage's weights
-  and issues their upload (:mod:`.prefetch`);
-- the *issue* thread hands the job to a :class:`~.issuer.JobIssuer`, which issues
-  its activation uploads, compute and downloads behind the weights.
-
-So job *j*'s weights upload while job *j* − 1 computes. Host-side work that must
-follow device work (accumulating downloaded gradients, writing back buffers, noting a
-job finished) goes to the *completer* thread, which waits on the events first. The
-threads survive every error: an error is handed to the call it belongs to.
-
-A job's code gets a frozen :class:`~.context.JobContext`, never the worker. The threads
-hold the worker, never the ``RoundPipe`` that owns it, so an unclosed model can still
-be collected (its session then stops them). A failed job goes through one path,
-:meth:`DeviceWorker.fail_job`.
+Every job passes the *prefetch* thread (its claim, the memory bound, its weight upload)
+and then the *issue* thread (a :class:`~.issuer.JobIssuer`), so job *j*'s weights
+upload while job *j* − 1 computes; the *completer* thread does the host work that must
+follow device work. The threads survive every error, hold the worker, never the
+``RoundPipe``, and fail a job through one path (docs/design.md#device-workers).
 """
 
 from __future__ import annotations
@@ -31,7 +18,7 @@ from dataclasses import dataclass, field
 
 from ..core.program import JobProgram
 from ..core.schedule import Job
-from ..devices import Device, Event
+from ..devices.base import Device, Event
 from ..errors import locate
 from .call import Call
 from .context import JobContext, WorkerContext

@@ -58,6 +58,22 @@ def pytorch_sgd_step(
     return model
 
 
+def pytorch_sgd_steps(
+    model: nn.Module, steps: list[list[int]], num_microbatch: int, lr: float
+) -> nn.Module:
+    """A copy of ``model`` after one SGD step (``lr``) per entry of ``steps``, each over
+    the summed gradients of the batches ``batch(seed)`` of its seeds."""
+    model = copy.deepcopy(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    for seeds in steps:
+        for seed in seeds:
+            x, y = batch(seed=seed)
+            reference_loss_and_grads(model, x, y, num_microbatch)
+        optimizer.step()
+        optimizer.zero_grad()
+    return model
+
+
 def train_reference(
     model: nn.Module,
     batches: list,

@@ -1,4 +1,4 @@
-"""Child of test_lifecycle.py: the script ends while async work is still in flight.
+"""Child of test_close_and_exit.py: the script ends while async work is still in flight.
 
 Usage: ``exit_in_flight.py MODE``. It queues two ``forward_backward`` calls and two
 async ``step``s (backward stages with modelled kernel time, step functions that
