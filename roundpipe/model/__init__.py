@@ -31,7 +31,7 @@ from ..planning.planner import AutoPlanner
 from ..runtime import optimizer_guard
 from ..runtime.call import AutocastState, Call
 from ..runtime.inputs import own_and_split
-from ..runtime.layers import sequential_layers
+from ..runtime.layers import check_layer_list, sequential_layers
 from ..runtime.lifetime import finalize_unclosed
 from ..runtime.microbatch import merge_outputs
 from ..runtime.params import ParameterStore, parameter_names
@@ -315,12 +315,20 @@ class RoundPipe(ModuleCall, Checkpoints, ParameterViews, nn.Module):
     # -- internals -----------------------------------------------------------------------
 
     def _begin(self, session: Session) -> None:
-        """Before new work: a usable session, failures reported, external writes adopted."""
+        """Before new work: a usable session, failures reported, the user's changes since
+        the last call honoured (writes into tensors adopted, changed modules re-copied)
+        or refused."""
         session.check_open()
         session.store.check_trainable()
+        check_layer_list(self.model, self._layers)
         session.settle()
-        if any(entry.externally_modified() for entry in session.store.entries.values()):
-            session.synchronize()  # adopts what the user wrote
+        changed = [layer for layer in self._layers if layer.changed()]
+        if changed or any(entry.externally_modified() for entry in session.store.entries.values()):
+            session.synchronize()  # adopts what the user wrote; nothing runs the old shells
+        if changed:
+            session.layers_changed()
+            for layer in changed:
+                layer.refresh()
         session.store.ensure_masters()
 
     def _microbatch_count(self, config: RoundPipeRunConfig) -> int:
@@ -355,6 +363,7 @@ class RoundPipe(ModuleCall, Checkpoints, ParameterViews, nn.Module):
             session.ledger.versions,
             seq=session.ledger.next_seq,
             rewrites_before=session.ledger.rewrites,
+            layer_changes_before=session.ledger.layer_changes,
             autocast=AutocastState.capture(self.pool.devices[0].torch_device.type),
             loss_fn=loss_fn,
             return_outputs=return_outputs,

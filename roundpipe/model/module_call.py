@@ -65,7 +65,7 @@ class ModuleCall:
     def _backward_call(self, call: Call, grads_per_microbatch: list[list]) -> None:
         """Post the output gradients, run the call's backward jobs and wait for them."""
         with self._session.enter("backward") as session:
-            check_backward_allowed(call, session)
+            check_backward_allowed(call, session, self._layers)
             self._begin(session)
             loss_scale = self._loss_scale()  # the user scaled the loss just before
             for m, grads in enumerate(grads_per_microbatch):

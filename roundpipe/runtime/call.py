@@ -71,6 +71,8 @@ class Call:
     """Optimizer steps queued before this call; its gradients wait until they ran."""
     rewrites_before: int
     """The session's count of rewrites of the user's tensors when the call started."""
+    layer_changes_before: int
+    """The session's count of changes to the user's modules when the call started."""
     forward_only: bool = False
     mailbox: Mailbox = field(default_factory=Mailbox)
     latch: Latch = field(init=False)

@@ -13,6 +13,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .call import Call
+from .layers import LayerBinding
 from .session import Session, raise_second_backward
 from .versions import HOME
 
@@ -31,9 +32,9 @@ class _PipelineBackward(torch.autograd.Function):
         return None, None, None
 
 
-def check_backward_allowed(call: Call, session: Session) -> None:
+def check_backward_allowed(call: Call, session: Session, layers: list[LayerBinding]) -> None:
     """Refuse a backward that PyTorch would refuse too: a second one through the same
-    output, or one after the weights its forward read were changed."""
+    output, or one after the weights or modules its forward ran were changed."""
     if call.backward_claimed:
         raise_second_backward()
     ledger = session.ledger
@@ -45,6 +46,13 @@ def check_backward_allowed(call: Call, session: Session) -> None:
             "write) between model(x) and .backward() on its output; the backward stages "
             "would recompute with other weights than the forward used. Call .backward() "
             "first"
+        )
+    changed = any(layer.changed() for layer in layers)
+    if ledger.layer_changes != call.layer_changes_before or changed:
+        raise RuntimeError(
+            "the model's modules changed (an attribute, a hook or a submodule) between "
+            "model(x) and .backward() on its output; the backward stages would recompute "
+            "with other modules than the forward ran. Call .backward() first"
         )
 
 

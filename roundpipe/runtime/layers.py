@@ -5,7 +5,8 @@ a *shell*: a deep copy of the layer whose parameters and buffers are placeholder
 on the ``meta`` device. Before running, the shell is bound to the device tensors
 of the current stage; the autograd graph then refers to those tensors, so the
 binding may change as soon as the call returns. A device runs its compute ops one
-at a time, so one shell per device is never used by two ops at once.
+at a time, so one shell per device is never used by two ops at once. A module the user
+changed since its shells were made gets new ones (docs/design.md#layer-shells).
 """
 
 from __future__ import annotations
@@ -53,6 +54,52 @@ class LayerBinding:
         self._targets: dict[int, _ShellTargets] = {}  # id(shell) -> where tensors go
         self._lock = threading.Lock()
         self._repr = f"layer {self.index} ({self.name}: {type(self.module).__name__})"
+        self._seen = _snapshot(module)
+
+    def changed(self) -> bool:
+        """Whether the module changed since its shells were made: an attribute, a hook,
+        a submodule, a parameter or buffer (the training flag aside: set at each bind)."""
+        return not _unchanged(self._seen)
+
+    def refresh(self) -> None:
+        """With nothing in flight: new shells for the module as it is now. A parameter
+        or buffer replaced, added or removed is refused, naming it (the masters and an
+        optimizer built over them hold the tensors as they were when wrapped)."""
+        params, buffers = _slots(self.module, "_parameters"), _slots(self.module, "_buffers")
+        self._refuse_new_tensors(self.param_slots, params, "parameter")
+        self._refuse_new_tensors(self.buffer_slots, buffers, "buffer")
+        with self._lock:
+            self.param_slots, self.buffer_slots = params, buffers
+            self._shells.clear()
+            self._targets.clear()
+            self._seen = _snapshot(self.module)
+
+    def _refuse_new_tensors(self, old: list[TensorSlot], new: list[TensorSlot], what: str):
+        old_uids, new_uids = {s.uid for s in old}, {s.uid for s in new}
+        if old_uids == new_uids:
+            return
+        old_names = {self._name_of(s) for s in old}
+        changes = [
+            f"{what} {self._name_of(s)} was "
+            + ("replaced by a new tensor" if self._name_of(s) in old_names else "added")
+            for s in new
+            if s.uid not in old_uids
+        ]
+        new_names = {self._name_of(s) for s in new}
+        changes += [
+            f"{what} {self._name_of(s)} was removed"
+            for s in old
+            if s.uid not in new_uids and self._name_of(s) not in new_names
+        ]
+        raise RuntimeError(
+            f"{'; '.join(changes)} after the model was wrapped in RoundPipe; its masters "
+            "(and an optimizer built over optim_parameters()) hold the tensors as they were. "
+            "Write new values into the existing tensors instead (with torch.no_grad(): "
+            "tensor.copy_(new), or load_state_dict), or wrap the changed model anew"
+        )
+
+    def _name_of(self, slot: TensorSlot) -> str:
+        return ".".join(filter(None, (self.name, slot.path, slot.name)))
 
     def __repr__(self) -> str:
         return self._repr
@@ -115,6 +162,77 @@ class _ShellTargets:
         self.modules = list(zip(shell.modules(), layer.module.modules(), strict=True))
         self.params = [(s, shell.get_submodule(s.path)._parameters) for s in layer.param_slots]
         self.buffers = [(s, shell.get_submodule(s.path)._buffers) for s in layer.buffer_slots]
+
+
+_PLAIN = (bool, int, float, complex, str, bytes, type(None), torch.dtype, torch.device)
+
+
+def _snapshot(module: nn.Module) -> list[tuple[nn.Module, dict]]:
+    """What a shell copies of ``module``: each submodule's attributes, dicts (parameters,
+    buffers, submodules, hooks) copied one level, so a later change is seen. The values
+    are kept, so an object is never mistaken for a new one that got its id."""
+    return [
+        (
+            sub,
+            {
+                key: dict(value) if isinstance(value, dict) else value
+                for key, value in vars(sub).items()
+            },
+        )
+        for sub in module.modules()
+    ]
+
+
+def _unchanged(snapshot: list[tuple[nn.Module, dict]]) -> bool:
+    """Whether every submodule still holds what ``snapshot`` saw: plain values equal,
+    anything else the same object (the training flag aside: set at every bind). A
+    submodule added or replaced anywhere shows in its parent's ``_modules``."""
+    for sub, saved in snapshot:
+        now = vars(sub)
+        if now.keys() != saved.keys():
+            return False
+        for key, old in saved.items():
+            new = now[key]
+            if new is old or key == "training":
+                continue
+            if isinstance(old, dict):
+                if not isinstance(new, dict) or len(new) != len(old):
+                    return False
+                if any(
+                    k is not j and k != j or a is not b
+                    for (k, a), (j, b) in zip(new.items(), old.items(), strict=True)
+                ):
+                    return False
+            elif not (type(old) in _PLAIN and type(new) is type(old) and new == old):
+                return False
+    return True
+
+
+def check_layer_list(model: nn.Module, layers: list[LayerBinding]) -> None:
+    """Refuse a wrapped ``nn.Sequential`` whose entries changed after wrapping: the plan,
+    masters and optimizer were built for the layers as they were."""
+    if not isinstance(model, nn.Sequential):
+        return
+    now = list(model._modules.items())
+    if len(now) == len(layers) and all(
+        name == layer.name and module is layer.module
+        for (name, module), layer in zip(now, layers, strict=True)
+    ):
+        return
+    then = {layer.name: layer.module for layer in layers}
+    names = dict(now)
+    changes = [
+        f"entry {name!r} ({type(module).__name__}) was "
+        + ("added" if name not in then else "replaced")
+        for name, module in now
+        if then.get(name) is not module
+    ]
+    changes += [f"entry {name!r} was removed" for name in then if name not in names]
+    raise RuntimeError(
+        f"the wrapped nn.Sequential changed after wrapping: {'; '.join(changes)}. RoundPipe "
+        "runs the layers it wrapped (its plan, masters and optimizer were built for them); "
+        "restore them, or wrap the changed model in a new RoundPipe"
+    )
 
 
 def sequential_layers(model: nn.Module) -> list[LayerBinding]:

@@ -73,6 +73,8 @@ class Ledger:
     rewrites: int = 0
     """How often the user's tensors were rewritten with nothing in flight (adoption,
     ``make_current``): a deferred backward must recompute with what its forward read."""
+    layer_changes: int = 0
+    """How often the user's modules changed (new shells): likewise."""
     states: Mapping[Call, CallState] = field(default_factory=dict)
     """Per call in flight (never mutated: a change makes a new mapping)."""
 

@@ -104,6 +104,10 @@ class Session:
         """The caller got ``call``'s result."""
         self._set_state(call, phase=RETURNED)
 
+    def layers_changed(self) -> None:
+        """With nothing in flight: the user changed modules; their shells are made anew."""
+        self._write(layer_changes=self.ledger.layer_changes + 1)
+
     def interrupted_since(self, seq: int) -> None:
         """An interrupt reached the caller after the calls from ``seq`` on were issued."""
         for call in self.ledger.in_flight:
