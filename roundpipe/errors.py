@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import traceback
+
 import torch
 
 _OOM_ADVICE = (
@@ -57,7 +59,7 @@ def _located_type(original: type[BaseException]) -> type[BaseException]:
 
 def locate(exc: BaseException, where: str) -> BaseException:
     """Return an exception that says ``where`` it happened, keeping ``exc``'s type if possible."""
-    if isinstance(exc, RoundPipeError) and getattr(exc, "located", False):
+    if getattr(exc, "located", False):  # an out-of-memory error is located but no RoundPipeError
         return exc
     if isinstance(exc, torch.OutOfMemoryError):
         located: BaseException = torch.OutOfMemoryError(f"{where}: {exc}. {_OOM_ADVICE}")
@@ -68,6 +70,23 @@ def locate(exc: BaseException, where: str) -> BaseException:
     located.located = True  # type: ignore[attr-defined]
     located.__cause__ = exc
     return located
+
+
+def release_frames(error: BaseException | None) -> None:
+    """Drop the local variables of the finished frames in the tracebacks of ``error``
+    and of the exceptions chained to it (the executing ones are left alone).
+
+    A kept error would otherwise keep every tensor those frames referenced alive, the
+    device memory of the work that failed too (docs/design.md#errors). The tracebacks
+    still say where it happened."""
+    pending, seen = [error], set()
+    while pending:
+        error = pending.pop()
+        if error is None or id(error) in seen:
+            continue
+        seen.add(id(error))
+        traceback.clear_frames(error.__traceback__)
+        pending += [error.__cause__, error.__context__, *getattr(error, "exceptions", ())]
 
 
 class failure_site:  # noqa: N801 - used like a function: ``with failure_site(...)``

@@ -142,42 +142,50 @@ def test_a_submodule_without_parameters_replaced_between_calls_is_run() -> None:
     assert_same_training(change)
 
 
-def test_a_parameter_replaced_by_a_new_one_is_refused_naming_it() -> None:
+def assert_refused_then_usable(change, undo, match: str) -> None:
+    """After a step, ``change(model)`` makes the next call raise matching ``match``;
+    after ``undo(model)`` the model trains on."""
     wrapped = model()
     x, y = batch(size=12, inputs=8, outputs=4)
     with wrap(wrapped) as pipe:
         roundpipe_step(pipe, x, y)
-        old = wrapped[1].fc.weight
-        wrapped[1].fc.weight = nn.Parameter(old.detach().clone())
-        with pytest.raises(RuntimeError, match=r"1\.fc\.weight.*replaced"):
+        undo_state = change(wrapped)
+        with pytest.raises(RuntimeError, match=match):
             pipe.forward_backward((x,), label=y, loss_fn=mse_sum)
-        wrapped[1].fc.weight = old  # put back: the model trains on
+        undo(wrapped, undo_state)
         roundpipe_step(pipe, x, y)
+
+
+def test_a_parameter_replaced_by_a_new_one_is_refused_naming_it() -> None:
+    def replace(net: nn.Module) -> nn.Parameter:
+        old = net[1].fc.weight
+        net[1].fc.weight = nn.Parameter(old.detach().clone())
+        return old
+
+    def put_back(net: nn.Module, old: nn.Parameter) -> None:
+        net[1].fc.weight = old
+
+    assert_refused_then_usable(replace, put_back, r"1\.fc\.weight.*replaced")
 
 
 def test_a_layer_appended_to_the_sequential_is_refused_naming_it() -> None:
-    wrapped = model()
-    x, y = batch(size=12, inputs=8, outputs=4)
-    with wrap(wrapped) as pipe:
-        roundpipe_step(pipe, x, y)
-        wrapped.append(nn.Identity())
-        with pytest.raises(RuntimeError, match=r"nn\.Sequential.*entry '5'.*added"):
-            pipe.forward_backward((x,), label=y, loss_fn=mse_sum)
-        del wrapped[5]
-        roundpipe_step(pipe, x, y)
+    def remove(net: nn.Module, _) -> None:
+        del net[5]
+
+    assert_refused_then_usable(
+        lambda net: net.append(nn.Identity()), remove, r"nn\.Sequential.*entry '5'.*added"
+    )
 
 
 def test_a_layer_replaced_in_the_sequential_is_refused_naming_it() -> None:
-    wrapped = model()
-    x, y = batch(size=12, inputs=8, outputs=4)
-    with wrap(wrapped) as pipe:
-        roundpipe_step(pipe, x, y)
-        original = wrapped[2]
-        wrapped[2] = Scale(3.0)
-        with pytest.raises(RuntimeError, match=r"entry '2'.*replaced"):
-            pipe.forward_backward((x,), label=y, loss_fn=mse_sum)
-        wrapped[2] = original
-        roundpipe_step(pipe, x, y)
+    def replace(net: nn.Module) -> nn.Module:
+        original, net[2] = net[2], Scale(3.0)
+        return original
+
+    def put_back(net: nn.Module, original: nn.Module) -> None:
+        net[2] = original
+
+    assert_refused_then_usable(replace, put_back, r"entry '2'.*replaced")
 
 
 def test_a_module_change_between_model_x_and_its_backward_is_refused() -> None:

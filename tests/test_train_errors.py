@@ -1,10 +1,10 @@
 """``roundpipe train`` on bad input: exit code 2 and a message naming the problem.
 
-Each error comes before any training. Checked in-process through
-``roundpipe.cli.main`` (the exit code and the message), two of them also through a real
-process. The inputs and finished runs are shared with the other train tests
-(``train_files`` and ``train_runs`` in ``conftest.py``).
-"""
+Each error comes in one line, before anything is written. Checked in-process through
+``roundpipe.cli.main`` (the exit code, and everything written to the stderr file
+descriptor), two of them also through a real process. The inputs and finished runs
+are shared with the other train tests (``train_files`` and ``train_runs`` in
+``conftest.py``)."""
 
 from __future__ import annotations
 
@@ -17,17 +17,23 @@ pytest.importorskip("transformers")
 pytest.importorskip("peft")
 pytest.importorskip("yaml")
 
+from support.train_bad_models import (  # noqa: E402
+    bert_dir,
+    gpt2_dir,
+    mxfp4_gpt_oss_dir,
+    truncated_copy,
+)
 from support.train_cli import COMMON, run_train  # noqa: E402
 from support.train_fixtures import build_model_dir  # noqa: E402
 
 from roundpipe.cli import main  # noqa: E402
 
 
-def usage_error(capsys, *args) -> str:
+def usage_error(capture, *args) -> str:
     with pytest.raises(SystemExit) as exit_info:
         main(["train", *map(str, args)])
     assert exit_info.value.code == 2
-    return capsys.readouterr().err
+    return capture.readouterr().err
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +52,9 @@ def broken(train_files) -> dict[str, Path]:
     unknown_key = root / "unknown.yaml"
     unknown_key.write_text("lora-rank: 8\n")
     return {"no_tokenizer": no_tokenizer, "no_weights": no_weights, "bin_only": bin_only,
-            "bad_data": bad_data, "unknown_key": unknown_key}  # fmt: skip
+            "bad_data": bad_data, "unknown_key": unknown_key, "gpt2": gpt2_dir(root / "gpt2"),
+            "bert": bert_dir(root / "bert"), "mxfp4": mxfp4_gpt_oss_dir(root / "mxfp4"),
+            "truncated": truncated_copy(train_files["model"], root / "truncated")}  # fmt: skip
 
 
 ERRORS = {  # options changed or added to a good command line, and the message expected
@@ -68,13 +76,28 @@ ERRORS = {  # options changed or added to a good command line, and the message e
     "too many microbatches": ({"--microbatches": "9"}, "--microbatches 9 exceeds"),
     "bad devices": ({"--devices": "tpu:3"}, "--devices 'tpu:3'"),
     "unknown yaml key": ({"--config": "{unknown_key}"}, "unknown option 'lora-rank'"),
+    "GPT-2": ({"--model": "{gpt2}"}, "model_type 'gpt2' is not a family roundpipe trains"),
+    "BERT": ({"--model": "{bert}"}, "model_type 'bert' is not a family roundpipe trains"),
+    "lora targets naming no module": ({"--lora-targets": "qproj"}, "'qproj' names no module"),
+    "a lora target naming no module": ({"--lora-targets": "q_proj,v_prj"}, "'v_prj' names no"),
+    "truncated weights": ({"--model": "{truncated}"}, "model.safetensors is truncated"),
+    "MXFP4 weights": ({"--model": "{mxfp4}"}, "holds quantized weights (quant_method 'mxfp4'"),
+    "output is a file": ({"--output": "{tmp}/a-file"}, "a-file is a file, not a directory"),
 }
 
 
+def written(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in root.rglob("*") if p.is_file()}
+
+
 @pytest.mark.parametrize("case", ERRORS, ids=list(ERRORS))
-def test_bad_input_exits_2_naming_the_problem(train_files, broken, tmp_path, capsys, case):
+def test_bad_input_exits_2_in_one_line_before_writing_anything(
+    train_files, broken, tmp_path, capfd, case
+):
     changes, message = ERRORS[case]
-    names = {**train_files, **broken}
+    (tmp_path / "a-file").write_text("not a directory")
+    before = written(tmp_path)
+    names = {**train_files, **broken, "tmp": tmp_path}
     changed = {flag: value and value.format(**names) for flag, value in changes.items()}
     args = {
         "--model": train_files["model"],
@@ -83,8 +106,10 @@ def test_bad_input_exits_2_naming_the_problem(train_files, broken, tmp_path, cap
     }
     args.update(changed)
     argv = [str(x) for flag, value in args.items() for x in (flag, value) if x is not None]
-    assert message in usage_error(capsys, *argv)
-    assert not (tmp_path / "out" / "metrics.jsonl").exists()
+    err = usage_error(capfd, *argv)
+    assert message in err
+    assert len(err.splitlines()) == 1, err
+    assert written(tmp_path) == before
 
 
 def test_resume_refuses_a_checkpoint_of_another_adapter_shape_or_model(

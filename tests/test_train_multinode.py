@@ -27,13 +27,23 @@ pytest.importorskip("peft")
 pytest.importorskip("yaml")
 
 from support.train_fixtures import build_model_dir, write_data  # noqa: E402
-from support.train_ranks import finish, run_ranks, single, start_ranks, torchrun  # noqa: E402
+from support.train_ranks import (  # noqa: E402
+    LIMIT_S,
+    assert_stopped_with_their_shards,
+    finish,
+    metrics,
+    run_ranks,
+    single,
+    start_a_long_run,
+    start_ranks,
+    torchrun,
+    wait_for_steps,
+)
 
 from roundpipe.cli import main  # noqa: E402
 from roundpipe.train.options import UsageError  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")
-LIMIT_S = 240
 
 
 @pytest.fixture(scope="module")
@@ -51,10 +61,6 @@ def common(files, steps: int = 6) -> list:
     return ["--model", files["model"], "--data", files["data"], "--seq-len", "32",
             "--batch-size", "8", "--devices", "emulated:2", "--lr", "1e-2", "--full",
             "--steps", steps]  # fmt: skip
-
-
-def metrics(output: Path) -> list[dict]:
-    return [json.loads(line) for line in (output / "metrics.jsonl").read_text().splitlines()]
 
 
 def model_tensors(output: Path) -> dict[str, torch.Tensor]:
@@ -118,10 +124,11 @@ def test_only_rank_0_prints_and_writes_and_each_rank_keeps_its_own_shards(sharde
     assert done[1].stdout == "" and "Traceback" not in done[1].stderr
     rank0, rank1 = tree(output / "rank0"), tree(output / "rank1")
     for name in ("metrics.jsonl", "loss.png", "run.yaml", "model.safetensors",
-                 "tokenizer.json", "config.json"):  # fmt: skip
+                 "tokenizer.json", "config.json", "run.lock"):  # fmt: skip
         assert name in rank0
     assert [r["step"] for r in metrics(output / "rank0")] == list(range(1, 7))
-    assert {Path(p).parts[:3] for p in rank1} == {
+    assert "run.rank1.lock" in rank1  # its lock on --output
+    assert {Path(p).parts[:3] for p in rank1 if p != "run.rank1.lock"} == {
         ("checkpoints", f"step-{step}", "rank1-of-2") for step in (4, 6)
     }  # the checkpoints of step 2 pruned, nothing else written
     assert {Path(p).parts[:3] for p in rank0 if p.startswith("checkpoints")} == {
@@ -187,15 +194,6 @@ def test_bad_input_on_one_rank_stops_every_rank_with_exit_2(files, tmp_path):
     assert not (tmp_path / "rank0" / "metrics.jsonl").exists()
 
 
-def wait_for_steps(output: Path, steps: int, processes) -> None:
-    deadline = time.monotonic() + LIMIT_S
-    path = output / "metrics.jsonl"
-    while not (path.exists() and len(path.read_text().splitlines()) >= steps):
-        assert all(p.poll() is None for p in processes), finish(processes, 10)
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
-
-
 @pytest.mark.parametrize("lost", ["SIGKILL", "SIGSTOP"])
 def test_a_lost_rank_makes_the_other_exit_nonzero_within_the_timeout(files, tmp_path, lost):
     """Rank 1 killed (its connections close) or hung (they stay open: the timeout)."""
@@ -221,42 +219,15 @@ def test_a_lost_rank_makes_the_other_exit_nonzero_within_the_timeout(files, tmp_
     assert "Traceback" not in done.stderr
 
 
-def start_a_long_run(files, tmp_path) -> list:
-    """Two ranks on a long run (each with its own output, SIGINT left to Python), once
-    rank 0 logged 3 steps."""
-
-    def args(rank: int) -> list:
-        return [*common(files, steps=5000), "--save-every", "1000",
-                "--output", tmp_path / f"rank{rank}"]  # fmt: skip
-
-    default_sigint = lambda: signal.signal(signal.SIGINT, signal.SIG_DFL)  # noqa: E731
-    processes = start_ranks(2, args, preexec_fn=default_sigint)
-    wait_for_steps(tmp_path / "rank0", 3, processes)
-    return processes
-
-
-def assert_both_stopped_with_their_shard(done, tmp_path) -> int:
-    """Both ranks exited 130, each with only its shard of the last step's checkpoint;
-    returns that step."""
-    assert [d.returncode for d in done] == [130, 130], [d.stderr for d in done]
-    step = metrics(tmp_path / "rank0")[-1]["step"]
-    for rank in (0, 1):
-        shards = sorted((tmp_path / f"rank{rank}" / "checkpoints").glob("step-*/rank*"))
-        assert [p.relative_to(tmp_path / f"rank{rank}" / "checkpoints") for p in shards] == [
-            Path(f"step-{step}") / f"rank{rank}-of-2"
-        ]
-    return step
-
-
 def test_ctrl_c_on_one_rank_stops_every_rank_after_the_same_step(files, tmp_path):
     """Ctrl-C twice on rank 1 (as ``torchrun`` passes on the terminal's): both ranks
     stop after the same step, write their shard of its checkpoint and exit 130."""
-    processes = start_a_long_run(files, tmp_path)
+    processes = start_a_long_run(common(files, steps=5000), tmp_path)
     processes[1].send_signal(signal.SIGINT)
     time.sleep(0.05)
     processes[1].send_signal(signal.SIGINT)
     done = finish(processes, LIMIT_S)
-    step = assert_both_stopped_with_their_shard(done, tmp_path)
+    step = assert_stopped_with_their_shards(done, tmp_path, 130)
     assert f"Ctrl-C: stopped after step {step}" in done[0].stdout
 
 
@@ -264,12 +235,12 @@ def test_ctrl_c_repeated_until_the_ranks_exit_never_kills_one_half_way(files, tm
     """Ctrl-C keeps arriving at rank 1 (a terminal's key held down, a slow launcher)
     while the ranks stop, write their checkpoint and exit: both still exit 130 after
     writing their shards; none dies of the signal."""
-    processes = start_a_long_run(files, tmp_path)
+    processes = start_a_long_run(common(files, steps=5000), tmp_path)
     deadline = time.monotonic() + LIMIT_S
     while processes[1].poll() is None and time.monotonic() < deadline:
         processes[1].send_signal(signal.SIGINT)
         time.sleep(0.02)
-    assert_both_stopped_with_their_shard(finish(processes, LIMIT_S), tmp_path)
+    assert_stopped_with_their_shards(finish(processes, LIMIT_S), tmp_path, 130)
 
 
 # -- the pieces, in-process --------------------------------------------------------------

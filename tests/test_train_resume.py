@@ -120,3 +120,78 @@ def test_resume_may_raise_the_steps_and_the_schedule_spans_the_new_total(train_r
     assert [r["lr"] for r in records[5:]] == pytest.approx(
         [reference_schedule(s, 2, 12, 1e-2) for s in range(5, 12)], rel=1e-12
     )
+
+
+def cut_in_half(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+def without_a_tensor(path: Path) -> None:
+    """A whole safetensors file, one tensor short: only loading it finds the damage."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    with safe_open(str(path), "pt") as file:
+        metadata = file.metadata()
+        tensors = {key: file.get_tensor(key) for key in list(file.keys())[1:]}
+    save_file(tensors, str(path), metadata=metadata)
+
+
+@pytest.mark.parametrize(
+    ("damage", "file"), [(cut_in_half, "optimizer"), (without_a_tensor, "weights")]
+)
+def test_resume_falls_back_to_the_previous_checkpoint_when_the_newest_is_damaged(
+    train_runs, tmp_path, damage, file
+):
+    """Step 10's checkpoint damaged: resumed from step 5 with a warning naming the
+    damaged file, the run ends as the uninterrupted one, bit for bit."""
+    uninterrupted = train_runs["prompt_completion"]
+    output = tmp_path / "out"
+    shutil.copytree(uninterrupted, output)
+    (output / "adapter_model.safetensors").unlink()
+    damaged = output / "checkpoints" / "step-10" / f"{file}.safetensors"
+    damage(damaged)
+    resumed = run_train("--config", output / "run.yaml", "--output", output, "--resume")
+    assert resumed.returncode == 0, resumed.stderr
+    [warning] = [line for line in resumed.stdout.splitlines() if line.startswith("warning:")]
+    assert str(damaged) in warning
+    assert "step-5 (step 5)" in resumed.stdout
+    adapter = "adapter_model.safetensors"
+    assert (output / adapter).read_bytes() == (uninterrupted / adapter).read_bytes()
+
+
+def snapshot(root: Path) -> dict[str, tuple[bytes, int]]:
+    """Every file under ``root`` but the lock: its bytes and modification time."""
+    return {
+        str(p.relative_to(root)): (p.read_bytes(), p.stat().st_mtime_ns)
+        for p in root.rglob("*")
+        if p.is_file() and p.name != "run.lock"
+    }
+
+
+def test_resuming_a_finished_run_says_so_and_rewrites_nothing(train_runs, tmp_path, capsys):
+    output = tmp_path / "out"
+    shutil.copytree(train_runs["prompt_completion"], output)
+    before = snapshot(output)
+    assert main(["train", "--config", str(output / "run.yaml"), "--output", str(output),
+                 "--resume"]) == 0  # fmt: skip
+    out = capsys.readouterr().out
+    assert "finished: all 10 steps" in out and "steps 11-10" not in out
+    assert snapshot(output) == before
+
+
+def test_resuming_a_finished_run_whose_result_is_missing_writes_the_result(
+    train_runs, tmp_path, capsys
+):
+    """Killed while it wrote the adapter, after its last checkpoint: --resume writes
+    the adapter the run trained, without training."""
+    uninterrupted = train_runs["prompt_completion"]
+    output = tmp_path / "out"
+    shutil.copytree(uninterrupted, output)
+    adapter = output / "adapter_model.safetensors"
+    adapter.write_bytes(adapter.read_bytes()[:100])
+    assert main(["train", "--config", str(output / "run.yaml"), "--output", str(output),
+                 "--resume"]) == 0  # fmt: skip
+    assert "writing the LoRA adapter" in capsys.readouterr().out
+    assert adapter.read_bytes() == (uninterrupted / adapter.name).read_bytes()
+    assert metrics(output) == metrics(uninterrupted)

@@ -1,8 +1,9 @@
 """Data parallelism across RoundPipe nodes on ``torch.distributed`` (one process per node).
 
 :func:`connect` turns it on for a model whose ``process_group`` spans more than one
-rank; nothing changes on one node. See :mod:`.node` for what a step does and
-:mod:`.layout` for who owns what.
+rank; nothing changes on one node. See :mod:`.same_model` for how the ranks start
+alike, :mod:`.node` for what a step does, :mod:`.layout` for who owns what and
+:mod:`.comm` for the collectives.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from ..runtime.layers import LayerBinding
 from ..runtime.params import ParameterStore
 from .comm import Comm, PeerFailure
 from .node import GRAD_REDUCTIONS, NodeSync
+from .same_model import start_from_rank0
 
 BACKENDS = ("auto", "gloo", "nccl")
 
@@ -53,8 +55,8 @@ def connect(
     """This node's side of the model whose parameters ``store`` holds, across the ranks
     of ``process_group`` (None: the world group when ``torch.distributed`` is
     initialised); None on a single node. Collective: every rank of the group
-    constructs its model at the same point. Keeps only this node's share of the
-    masters in ``store``."""
+    constructs its model at the same point. Gives every rank rank 0's parameters and
+    buffers, and keeps only this node's share of the masters in ``store``."""
     if grad_reduction not in GRAD_REDUCTIONS:
         raise ValueError(f"grad_reduction must be one of {GRAD_REDUCTIONS}, got {grad_reduction!r}")
     options = options or CommOptions()
@@ -85,6 +87,7 @@ def connect(
     device = pool.devices[0].torch_device
     backend = choose_backend(options.backend, device)
     comm = Comm(process_group, timeout, backend, device)
+    start_from_rank0(comm, store, layers)
     itemsize = max((e.optim_dtype.itemsize for e in store.entries.values()), default=4)
     bucket_numel = max(1, options.bucket_bytes // itemsize)
     return NodeSync(comm, store, _layers_of(layers), grad_reduction, bucket_numel)

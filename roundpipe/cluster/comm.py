@@ -2,9 +2,12 @@
 
 The caller's thread and the host optimizer thread each issue theirs on a gloo group of
 its own, since two threads issuing on one group could pair different collectives
-across ranks; with NCCL the buckets travel on a third group. A failed collective raises
-:class:`PeerFailure` naming this rank, what it was doing and the ranks that did not
-answer, after the group's timeout at the latest (docs/design.md#several-nodes).
+across ranks; with NCCL the buckets travel on a third group. Every exchange of small
+values first exchanges a fixed-size header naming what this rank is doing, so ranks
+that fell out of step raise on every rank, naming what each did, instead of pairing
+unrelated data. A failed collective raises :class:`PeerFailure` naming this rank, what
+it was doing and what the others were doing or that they did not answer, after the
+group's timeout at the latest (docs/design.md#several-nodes).
 """
 
 from __future__ import annotations
@@ -17,17 +20,23 @@ import torch
 import torch.distributed as dist
 
 from ..errors import RoundPipeError
+from ..runtime.operation import OPERATION
 
 # torch 2.13 renamed the single-tensor collectives; older releases have the old names.
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+HEADER_BYTES = 512
+"""The fixed size of the header before each exchange: what the rank does, and how much
+data it exchanges (a longer name is cut; gloo aborts the process on a size mismatch)."""
 
 
 class PeerFailure(RoundPipeError):
     """Work on another node failed, or a collective with the other nodes did."""
 
     cause: str = ""
-    """For a failed collective: what went wrong, and which ranks did not answer."""
+    """For a failed collective: what went wrong, and which ranks did not answer or what
+    each was doing; for ranks out of step, what each was doing."""
 
 
 class Comm:
@@ -74,7 +83,7 @@ class Comm:
     def _gather(self, values: list, dtype: torch.dtype, what: str) -> list[list]:
         mine = torch.tensor(values, dtype=dtype)
         out = torch.empty(self.world * len(values), dtype=dtype)
-        self._run(what, lambda: _all_gather(out, mine, group=self._caller))
+        self._exchange(self._caller, what, mine, lambda: _all_gather(out, mine, group=self._caller))
         return out.view(self.world, len(values)).tolist()
 
     # -- the optimizer thread -----------------------------------------------------------
@@ -82,11 +91,13 @@ class Comm:
     def gather_status(self, values: torch.Tensor, what: str) -> torch.Tensor:
         """Every rank's int32 ``values``, one row per rank."""
         out = torch.empty(self.world * values.numel(), dtype=values.dtype)
-        self._run(what, lambda: _all_gather(out, values, group=self._optimizer))
+        gather = lambda: _all_gather(out, values, group=self._optimizer)  # noqa: E731
+        self._exchange(self._optimizer, what, values, gather)
         return out.view(self.world, -1)
 
     def all_reduce(self, tensor: torch.Tensor, what: str, op=dist.ReduceOp.SUM) -> None:
-        self._run(what, lambda: dist.all_reduce(tensor, op=op, group=self._optimizer))
+        reduce = lambda: dist.all_reduce(tensor, op=op, group=self._optimizer)  # noqa: E731
+        self._exchange(self._optimizer, what, tensor, reduce)
 
     def reduce_scatter(self, out: torch.Tensor, flat: torch.Tensor, what: str) -> None:
         """``out`` = this rank's segment of the sum over ranks of ``flat``."""
@@ -153,29 +164,89 @@ class Comm:
         if self.spans is not None:
             self.spans.append((what, start, time.perf_counter()))
 
+    def _exchange(self, group, what: str, payload: torch.Tensor, collective) -> None:
+        """``collective`` (of ``payload`` on ``group``), once every rank's header says it
+        is at the same collective with as much data; else every rank raises here, since
+        every rank sees every header (docs/design.md#several-nodes)."""
+
+        def checked() -> None:
+            mine = f"{payload.numel()} x {payload.dtype}\n{_label(what)}"
+            out = torch.empty(self.world * HEADER_BYTES, dtype=torch.uint8)
+            _all_gather(out, _header(mine), group=group)
+            headers = [_text(row) for row in out.view(self.world, -1)]
+            if len(set(headers)) > 1:
+                raise self._out_of_step(headers)
+            collective()
+
+        self._run(what, checked)
+
+    def _out_of_step(self, headers: list[str]) -> PeerFailure:
+        labels = [header.partition("\n")[2] for header in headers]
+        if len(set(labels)) == 1:  # the same collective with different sizes: show them
+            labels = [header.replace("\n", " of ") for header in headers]
+        cause = out_of_step(labels)
+        failure = PeerFailure(f"rank {self.rank} of {self.world}: {cause}")
+        failure.cause = cause
+        return failure
+
     def _run(self, what: str, fn: Callable[[], object]) -> None:
+        label = _label(what)
         if self.broken is not None:
             raise PeerFailure(
-                f"rank {self.rank} of {self.world}: {what} was not attempted: an earlier "
+                f"rank {self.rank} of {self.world}: {label} was not attempted: an earlier "
                 f"collective failed ({self.broken})"
             )
         try:
             fn()
+        except PeerFailure as failure:  # out of step: every rank raises it here
+            self.broken = failure.cause
+            # For a peer that times out on another group waiting for this rank.
+            check_in(self._global_ranks, self.rank, label, wait_s=0)
+            raise
         except Exception as exc:
-            failure = peer_failure(what, self.rank, self._global_ranks, exc)
-            self.broken = f"{what}: {failure.cause}"
+            failure = peer_failure(label, self.rank, self._global_ranks, exc)
+            self.broken = f"{label}: {failure.cause}"
             raise failure from exc
+
+
+def _label(what: str) -> str:
+    """``what`` with the operation this thread is in: "save_checkpoint (the checkpoint
+    save id)" (:mod:`roundpipe.runtime.operation`)."""
+    operation = OPERATION.get()
+    return what if operation is None else f"{operation} ({what})"
+
+
+def _header(text: str) -> torch.Tensor:
+    encoded = text.encode()[:HEADER_BYTES].ljust(HEADER_BYTES, b"\0")
+    return torch.frombuffer(bytearray(encoded), dtype=torch.uint8)
+
+
+def _text(header: torch.Tensor) -> str:
+    return header.numpy().tobytes().rstrip(b"\0").decode(errors="replace")
+
+
+def out_of_step(labels: list[str]) -> str:
+    """What each rank was doing (``labels``, by rank), when they did not all do the same."""
+    by_rank = ", ".join(f"rank {rank}: {label}" for rank, label in enumerate(labels))
+    return (
+        f"the ranks are out of step ({by_rank}); every rank must call the same collective "
+        "RoundPipe methods (forward_backward, step, save_checkpoint, ...) in the same "
+        "order, and its step_fn the same collectives (clip_grad_norm_)"
+    )
 
 
 def peer_failure(what: str, rank: int, global_ranks: list[int], exc: BaseException) -> PeerFailure:
     """The error of a failed collective ``what`` on ``rank`` of the group whose ranks
-    are ``global_ranks``, naming the ranks that did not answer (see :func:`silent_ranks`)."""
-    silent = silent_ranks(global_ranks, rank)
-    cause = (
-        f"rank(s) {silent} did not answer: exited, hung or busy elsewhere"
-        if silent
-        else "another rank probably failed, exited or timed out"
-    )
+    are ``global_ranks``: the ranks that did not answer, or what each was doing if they
+    were not all doing the same (see :func:`check_in`)."""
+    doing = check_in(global_ranks, rank, what)
+    silent = None if doing is None else [r for r in range(len(global_ranks)) if r not in doing]
+    if silent:
+        cause = f"rank(s) {silent} did not answer: exited, hung or busy elsewhere"
+    elif doing and len(set(doing.values())) > 1:
+        cause = out_of_step([doing[r] for r in range(len(global_ranks))])
+    else:
+        cause = "another rank probably failed, exited or timed out"
     failure = PeerFailure(
         f"rank {rank} of {len(global_ranks)}: {what} failed ({type(exc).__name__}: {exc}); {cause}"
     )
@@ -183,20 +254,22 @@ def peer_failure(what: str, rank: int, global_ranks: list[int], exc: BaseExcepti
     return failure
 
 
-def silent_ranks(global_ranks: list[int], rank: int, wait_s: float = 3.0) -> list[int] | None:
-    """After a failed collective: the ranks (of the group ``global_ranks``) that do not
-    check in on the rendezvous store within ``wait_s``. Every process that saw a
-    collective fail checks in once, under its global rank, whatever it was doing."""
+def check_in(
+    global_ranks: list[int], rank: int, what: str, wait_s: float = 3.0
+) -> dict[int, str] | None:
+    """After a failed collective: what each rank (of the group ``global_ranks``) that
+    checks in on the rendezvous store within ``wait_s`` was doing, by rank (None: the
+    store could not be asked). Every process that saw a collective fail, or its ranks
+    out of step, checks in once, under its global rank, with what it was doing."""
     try:
         store = dist.distributed_c10d._get_default_store()
-        store.set(f"roundpipe/alive/{global_ranks[rank]}", "1")
-        keys = [f"roundpipe/alive/{g}" for g in global_ranks]
+        store.set(f"roundpipe/alive/{global_ranks[rank]}", what)
+        keys = {r: f"roundpipe/alive/{g}" for r, g in enumerate(global_ranks)}
         deadline = time.monotonic() + wait_s
-        while time.monotonic() < deadline:
-            silent = [r for r, key in enumerate(keys) if not store.check([key])]
-            if not silent:
-                return []
+        while True:
+            answered = [r for r, key in keys.items() if store.check([key])]
+            if len(answered) == len(keys) or time.monotonic() >= deadline:
+                return {r: store.get(keys[r]).decode(errors="replace") for r in answered}
             time.sleep(0.05)
-        return silent
     except Exception:  # noqa: BLE001 - naming the culprit is best effort
         return None

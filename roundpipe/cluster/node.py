@@ -12,7 +12,6 @@ skips it and discards the gradients.
 
 from __future__ import annotations
 
-import zlib
 from collections.abc import Callable, Iterable
 
 import torch
@@ -53,22 +52,7 @@ class NodeSync:
             for index, uid in enumerate(self.uids)
         ]
         self.layout: ShardLayout = shard_layout(specs, self.world, bucket_numel)
-        self._check_same_model(specs)
         store.shard(frozenset(self.uids[i] for i in self.layout.owned_by(self.rank)))
-
-    def _check_same_model(self, specs: list[TensorSpec]) -> None:
-        names = [
-            f"{e.name}:{tuple(e.param.shape)}:{e.param.dtype}:{e.optim_dtype}:{e.trainable}"
-            for e in self.store.entries.values()
-        ]
-        mine = zlib.crc32("|".join(names).encode())
-        rows = self.comm.gather_ints([mine, len(specs)], "the model check at construction")
-        differ = [r for r, row in enumerate(rows) if row[0] != mine]
-        if differ:
-            raise ValueError(
-                f"rank {self.rank}: ranks {differ} wrap a different model (parameter names, "
-                "shapes, dtypes or requires_grad differ); every rank must wrap the same model"
-            )
 
     # -- the caller's thread ---------------------------------------------------------
 
@@ -96,7 +80,8 @@ class NodeSync:
             total /= self.world
         if error is None and failed:
             error = PeerFailure(f"the call failed on rank(s) {failed}")
-        return torch.tensor(total, dtype=torch.float32), error
+        dtype = torch.float32 if local is None else local.dtype  # as loss_fn returned it
+        return torch.tensor(total, dtype=dtype), error
 
     # -- the optimizer thread -----------------------------------------------------------
 

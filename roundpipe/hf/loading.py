@@ -20,7 +20,13 @@ from torch import nn
 from .checkpoint_layout import LoadItem, ModelTensor, plan_loading
 from .families import family_of
 from .pipe import HFRoundPipe, from_hf
-from .safetensors_io import FileMappings, checkpoint_tensors, is_mapped, read_into
+from .safetensors_io import (
+    CheckpointError,
+    FileMappings,
+    checkpoint_tensors,
+    is_mapped,
+    read_into,
+)
 
 _ALWAYS_IGNORED = (r"rotary_emb\.inv_freq",)
 """Checkpoint tensors transformers ignores for every model: older checkpoints saved the
@@ -43,20 +49,7 @@ def from_pretrained(path, *, torch_dtype=torch.bfloat16, lora=None, **options) -
     are stacked MoE experts (stored one per expert) and tensors whose bytes are not
     aligned in the file. Keep the files unchanged while the model lives.
     """
-    directory = Path(path)
-    if not (directory / "config.json").is_file():
-        raise FileNotFoundError(
-            f"{directory} is not a Hugging Face model directory (it has no config.json); "
-            "roundpipe.from_pretrained loads local directories only"
-        )
-    import transformers
-
-    config = transformers.AutoConfig.from_pretrained(directory)
-    torch_dtype = _resolved_dtype(torch_dtype, config)
-    model = _empty_model(directory, config, torch_dtype)
-    family_of(model)  # an unsupported model is refused before anything is read
-    stored = checkpoint_tensors(directory)
-    items = plan_loading(_model_tensors(model, torch_dtype), stored, _ignored_patterns(model))
+    model, items = plan_pretrained(path, torch_dtype=torch_dtype)
     _fill(model, items, FileMappings() if lora is not None else None)
     _recompute_buffers(model)
     model.eval()  # as transformers' from_pretrained leaves it
@@ -66,6 +59,56 @@ def from_pretrained(path, *, torch_dtype=torch.bfloat16, lora=None, **options) -
         model = peft.get_peft_model(model, lora)
         _copy_trainable_views(model)
     return from_hf(model, **options)
+
+
+def plan_pretrained(path, *, torch_dtype=torch.bfloat16) -> tuple[nn.Module, list[LoadItem]]:
+    """What :func:`from_pretrained` checks and plans before it reads a tensor: the model
+    of directory ``path`` on the ``meta`` device (no memory) and the checkpoint tensors
+    that fill each of its tensors. Refuses a directory without ``config.json``
+    (FileNotFoundError), a quantized checkpoint, a family RoundPipe does not cut into
+    layers (ValueError), and safetensors files that are truncated, lack a tensor, hold
+    one the model has no place for or of another shape (:class:`CheckpointError`)."""
+    directory = Path(path)
+    if not (directory / "config.json").is_file():
+        raise FileNotFoundError(
+            f"{directory} is not a Hugging Face model directory (it has no config.json); "
+            "roundpipe.from_pretrained loads local directories only"
+        )
+    import transformers
+
+    config = transformers.AutoConfig.from_pretrained(directory)
+    _refuse_quantized(directory, config)
+    torch_dtype = _resolved_dtype(torch_dtype, config)
+    model = _empty_model(directory, config, torch_dtype)
+    family_of(model)  # an unsupported model is refused before anything is read
+    stored = checkpoint_tensors(directory)
+    items = plan_loading(_model_tensors(model, torch_dtype), stored, _ignored_patterns(model))
+    return model, items
+
+
+def _refuse_quantized(directory: Path, config) -> None:
+    """Quantized weights (the official GPT-OSS releases are MXFP4) are not trainable
+    weights: transformers dequantizes them on request, once, into a new directory."""
+    quantization = getattr(config, "quantization_config", None)
+    if not quantization:
+        return
+    if isinstance(quantization, dict):  # as config.json has it
+        method = quantization.get("quant_method")
+    else:
+        method = getattr(quantization, "quant_method", None)
+    advice = "use the model's unquantized (bf16) release"
+    if method == "mxfp4":
+        advice += (
+            ", or write bf16 weights from these: transformers.AutoModelForCausalLM"
+            ".from_pretrained(DIR, quantization_config=transformers.Mxfp4Config("
+            "dequantize=True), dtype=torch.bfloat16).save_pretrained(NEW_DIR), and the "
+            "tokenizer beside them"
+        )
+    raise CheckpointError(
+        f"{directory} holds quantized weights (quant_method {str(method)!r} in the "
+        "quantization_config of config.json); RoundPipe trains bf16, fp16 or fp32 "
+        f"weights: {advice}"
+    )
 
 
 def _empty_model(directory: Path, config, torch_dtype: torch.dtype) -> nn.Module:

@@ -183,7 +183,7 @@ class RoundPipe(ModuleCall, Checkpoints, ParameterViews, nn.Module):
             try:
                 losses = [call.read(Loss(m)) for m in range(num)]
                 outputs = [call.read(Output(m)) for m in range(num)] if return_outputs else None
-                loss = torch.stack([torch.as_tensor(v).reshape(()).float() for v in losses]).sum()
+                loss = torch.stack([v.reshape(()) for v in losses]).sum()  # loss_fn's dtype
             except Exception as exc:
                 error = call.latch.wait() or exc  # the first job that failed
             if self._node is not None:

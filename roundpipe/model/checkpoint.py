@@ -1,25 +1,25 @@
 """Full training-state checkpoints: ``RoundPipe.save_checkpoint`` / ``load_checkpoint``.
 
-A run continues from a checkpoint exactly as the saved one would have: the weights,
-the masters and their gradients, the optimizer, scheduler, scaler and RNG states go
-into one directory of safetensors files and ``state.json``, written atomically (a save
-killed half-way leaves the previous checkpoint), and sharded by rank on several nodes
-(docs/design.md#checkpoints).
+A run continues from a checkpoint exactly as the saved one would have. A save is all
+or nothing: the previous checkpoint stays until the new one is complete (on several
+nodes: on every rank, a two-phase commit); a load checks everything before it changes
+anything. The files are :mod:`.checkpoint_files`, their directories
+:mod:`.checkpoint_swap` (docs/design.md#checkpoints).
 """
 
 from __future__ import annotations
 
-import json
 import os
-import shutil
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from ..cluster.comm import PeerFailure
-
-FORMAT = 1
+from . import checkpoint_files as files
+from . import checkpoint_swap as swap
+from .checkpoint_swap import existing_checkpoint
 
 
 class Checkpoints:
@@ -31,57 +31,37 @@ class Checkpoints:
         """Wait for queued work, then write everything a run needs to continue: weights,
         masters (and accumulated gradients), the state of ``optimizer``,
         ``lr_scheduler`` and ``grad_scaler``, the RNG states, and ``extra`` (anything
-        JSON can hold, e.g. the data position). Atomic (see :mod:`roundpipe.model.checkpoint`)."""
+        JSON can hold, e.g. the data position). All or nothing (see
+        :mod:`roundpipe.model.checkpoint`)."""
         with self._session.enter("save_checkpoint") as session:
             session.check_open()
             session.synchronize()
-            buffers = list(self.model.named_buffers())
-            shard = None
-            if self._node is not None:
-                token = int.from_bytes(os.urandom(7), "little")
-                save_id = self._node.comm.gather_ints([token], "the checkpoint save id")[0][0]
-                shard = {"rank": self._node.rank, "world": self._node.world, "save_id": save_id}
-                path = shard_path(path, shard)
-            save(self._session.store, self.pool, buffers, path, optimizer, lr_scheduler,
-                 grad_scaler, extra, shard)  # fmt: skip
-            if self._node is not None:
-                self._node.comm.gather_ints([0], "the checkpoint save (every rank done)")
+            live = (self._session.store, self.pool, list(self.model.named_buffers()))
+            ranks = _Ranks.of(self._node)
+            save(ranks, _absolute(path), live, optimizer, lr_scheduler, grad_scaler, extra)
 
     def load_checkpoint(self, path, optimizer=None, lr_scheduler=None, grad_scaler=None) -> Any:
         """Restore a :meth:`save_checkpoint` of this model (and the given optimizer,
         scheduler and scaler, built as when it was saved); returns its ``extra``. The run
-        continues exactly as the saved one would have."""
+        continues exactly as the saved one would have. A checkpoint that does not fit
+        is refused before anything changes."""
         with self._session.enter("load_checkpoint") as session:
             session.check_open()
             session.synchronize()
-            store = self._session.store
-            buffers = list(self.model.named_buffers())
-            shard = None
-            if self._node is not None:
-                shard = {"rank": self._node.rank, "world": self._node.world}
-                path = shard_path(path, shard)
-            try:
-                extra, masters, save_id = load(store, self.pool, buffers, path, optimizer,
-                                               lr_scheduler, grad_scaler, shard)  # fmt: skip
-            except Exception:
-                if self._node is not None:  # the others must not wait for this rank
-                    self._node.comm.gather_ints([1, 0], "the checkpoint load")
-                raise
-            if self._node is not None:
-                rows = self._node.comm.gather_ints([0, save_id], "the checkpoint load")
-                failed = [rank for rank, row in enumerate(rows) if row[0]]
-                if failed:
-                    raise PeerFailure(f"loading the checkpoint failed on rank(s) {failed}")
-                ids = [row[1] for row in rows]
-                if len(set(ids)) > 1:
-                    raise ValueError(
-                        f"the shards under {path.parent} come from different saves (a save "
-                        "was interrupted on some rank); load an earlier checkpoint"
-                    )
+            store, buffers = self._session.store, list(self.model.named_buffers())
+            live, ranks = (store, self.pool, buffers), _Ranks.of(self._node)
+            staged = load(ranks, _absolute(path), live, optimizer, lr_scheduler, grad_scaler)
+            files.put(staged, store, self.pool, buffers)
             session.synchronize()  # adopts the written weights (the masters take them) ...
-            restore_masters(store, masters)  # ... then get their full-precision values
+            files.restore_masters(store, staged.masters)  # ... then their full precision
             session.make_current()  # .grad shows the restored gradients
-        return extra
+        return staged.extra
+
+
+def _absolute(path) -> Path:
+    """``path`` made absolute, ``..`` and ``.`` resolved but not symbolic links: the
+    directory beside which its temporary and previous copies go."""
+    return Path(os.path.abspath(path))
 
 
 def shard_path(path, shard: dict) -> Path:
@@ -89,214 +69,130 @@ def shard_path(path, shard: dict) -> Path:
     return Path(path) / f"rank{shard['rank']}-of-{shard['world']}"
 
 
-def save(
-    store, pool, buffers, path, optimizer, lr_scheduler, grad_scaler, extra, shard=None
-) -> None:
-    path = Path(path)
-    names = [entry.name for entry in store.entries.values()]
-    state: dict[str, Any] = {"format": FORMAT, "parameters": names, "extra": extra}
-    if shard is not None:
-        state["shard"] = shard
-    tensors = {}
-    if optimizer is not None:
-        tensors, state["optimizer"] = _split_optimizer(optimizer.state_dict())
-    if lr_scheduler is not None:
-        state["lr_scheduler"] = lr_scheduler.state_dict()
-    if grad_scaler is not None:
-        state["grad_scaler"] = grad_scaler.state_dict()
-    try:  # before anything is written: a value JSON cannot hold fails the save cleanly
-        encoded = json.dumps(state)
-    except (TypeError, ValueError) as exc:
-        raise TypeError(
-            f"save_checkpoint: extra, the scheduler and the scaler state must be JSON "
-            f"data (dicts, lists, numbers, strings): {exc}"
-        ) from exc
-    weights = {f"param/{e.name}": e.param.detach() for e in store.entries.values() if e.trainable}
-    weights.update(
-        {f"frozen/{e.name}": _sample(e.param) for e in store.entries.values() if not e.trainable}
+@dataclass(frozen=True)
+class _Ranks:
+    """The processes that save and load together: this one alone, or every rank."""
+
+    comm: Any = None
+    rank: int = 0
+    world: int = 1
+
+    @classmethod
+    def of(cls, node) -> _Ranks:
+        return cls() if node is None else cls(node.comm, node.rank, node.world)
+
+    @property
+    def shard(self) -> dict | None:
+        return None if self.comm is None else {"rank": self.rank, "world": self.world}
+
+    def place(self, path: Path) -> Path:
+        return path if self.comm is None else shard_path(path, self.shard)
+
+    def gather(self, values: list[int], what: str) -> list[list[int]]:
+        return [values] if self.comm is None else self.comm.gather_ints(values, what)
+
+    def agree(self, error: Exception | None, what: str, doing: str) -> None:
+        """Go on only if no rank failed: raise ``error`` here, and on the other ranks a
+        :class:`PeerFailure` naming those that failed."""
+        rows = self.gather([int(error is not None)], what)
+        if error is not None:
+            raise error
+        failed = [rank for rank, row in enumerate(rows) if row[0]]
+        if failed:
+            raise PeerFailure(f"{doing} failed on rank(s) {failed}")
+
+
+def save(ranks: _Ranks, path: Path, live, optimizer, lr_scheduler, grad_scaler, extra) -> None:
+    """Write a checkpoint of ``live`` (the store, pool and buffers) to ``path``: every
+    rank writes its part into a temporary directory, all agree, all swap it in (the
+    previous complete checkpoint kept), all agree, the previous goes."""
+    target = ranks.place(path)
+    rows = ranks.gather(
+        [files.new_save_id(), *swap.held_ids(target)],
+        "the checkpoint save: its id and the saves each rank holds",
     )
-    weights.update({f"buffer/{name}": b for name, b in buffers})
-    masters: dict[str, torch.Tensor] = {}
-    for name, master in store.masters():
-        masters[name] = master.detach()
-        if master.grad is not None:
-            masters[f"grad/{name}"] = master.grad
-    rng = {"cpu": torch.get_rng_state()}
-    for i, device in enumerate(pool):
-        if device.torch_device.type != "cpu":
-            rng[f"device/{i}"] = device.get_rng_state()
-    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    save_id, keep = rows[0][0], _newest_common([row[1:] for row in rows])
+    written: list[Path] = []
+
+    def write() -> None:
+        contents = files.contents(
+            *live, optimizer, lr_scheduler, grad_scaler, extra, save_id, ranks.shard
+        )
+        swap.check_replaceable(target)
+        written.append(swap.temporary(target))
+        files.write(written[0], contents)
+
     try:
-        _write_tensors(tmp / "weights.safetensors", weights)
-        _write_tensors(tmp / "masters.safetensors", masters)
-        _write_tensors(tmp / "rng.safetensors", rng)
-        if optimizer is not None:
-            _write_tensors(tmp / "optimizer.safetensors", tensors)
-        with open(tmp / "state.json", "w") as file:
-            file.write(encoded)
-            file.flush()
-            os.fsync(file.fileno())
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    _swap(tmp, path)
+        error = _attempt(write)
+        ranks.agree(error, "the checkpoint save: every part written", "saving the checkpoint")
+        error = _attempt(lambda: swap.swap_in(written[0], target, keep))
+        ranks.agree(error, "the checkpoint save: every part swapped in", "saving the checkpoint")
+    finally:
+        for tmp in written:  # gone once swapped in
+            swap.discard(tmp)
+    swap.commit(target)
 
 
-def load(store, pool, buffers, path, optimizer, lr_scheduler, grad_scaler, shard=None):
-    """Restore what :func:`save` wrote; returns its ``extra``, the saved masters and its
-    save id (0 on one node). The caller has drained the runtime; it adopts the written
-    weights afterwards, then :func:`restore_masters` sets the masters to their
-    full-precision values. ``shard``: the rank and world this node loads as."""
-    path = existing_checkpoint(Path(path), shard)
-    with open(path / "state.json") as file:
-        state = json.load(file)
-    saved = state.get("shard")
-    if (saved and {k: saved[k] for k in ("rank", "world")}) != (shard or None):
+def load(ranks: _Ranks, path: Path, live, optimizer, lr_scheduler, grad_scaler) -> files.Staged:
+    """Read and check the newest checkpoint every rank holds at ``path`` and load the
+    optimizer, scheduler and scaler states (put back if any rank fails); the caller
+    puts the rest of what it returns in place."""
+    target = ranks.place(path)
+    held = swap.held_ids(target)
+    rows = ranks.gather(list(held), "the checkpoint load: the saves each rank holds")
+    chosen = _newest_common(rows)
+    if not chosen:
+        if not any(held):  # say what is wrong here: nothing there, or a damaged state.json
+            files.read_state(existing_checkpoint(target, ranks.shard))
+        empty = [rank for rank, row in enumerate(rows) if not any(row)]
         raise ValueError(
-            f"{path} was saved by "
-            + (f"rank {saved['rank']} of {saved['world']} nodes" if saved else "one node")
-            + (f", not by rank {shard['rank']} of {shard['world']}" if shard else "")
-            + ": load a checkpoint with the number of nodes that saved it"
-        )
-    names = [entry.name for entry in store.entries.values()]
-    if state.get("format") != FORMAT or state.get("parameters") != names:
-        raise ValueError(
-            f"{path} is not a checkpoint of this model: its parameters differ "
-            f"({len(state.get('parameters', []))} saved, {len(names)} here)"
-        )
-    weights = _read_tensors(path / "weights.safetensors")
-    for entry in store.entries.values():
-        if not entry.trainable and not torch.equal(
-            _sample(entry.param), weights.get(f"frozen/{entry.name}", torch.empty(0))
-        ):
-            raise ValueError(
-                f"{path} was saved over other weights: the frozen parameter {entry.name} "
-                "differs (load the checkpoint into the model it was trained from)"
+            f"no save at {path} is complete on every rank: "
+            + (
+                f"rank(s) {empty} hold none"
+                if empty
+                else "the shards come from different saves (a save was interrupted on some rank)"
             )
-    with torch.no_grad():
-        for entry in store.entries.values():
-            if entry.trainable:
-                entry.param.copy_(weights[f"param/{entry.name}"])
-        for name, buffer in buffers:
-            buffer.copy_(weights[f"buffer/{name}"])
-    rng = _read_tensors(path / "rng.safetensors")
-    torch.set_rng_state(rng["cpu"])
-    for i, device in enumerate(pool):
-        if f"device/{i}" in rng:
-            device.set_rng_state(rng[f"device/{i}"])
-    if optimizer is not None:
-        if "optimizer" not in state:
-            raise ValueError(f"{path} holds no optimizer state")
-        tensors = _read_tensors(path / "optimizer.safetensors")
-        optimizer.load_state_dict(_join_optimizer(tensors, state["optimizer"]))
-    if lr_scheduler is not None:
-        lr_scheduler.load_state_dict(state["lr_scheduler"])
-    if grad_scaler is not None:
-        grad_scaler.load_state_dict(state["grad_scaler"])
-    masters = _read_tensors(path / "masters.safetensors")
-    return state.get("extra"), masters, (saved or {}).get("save_id", 0)
-
-
-def restore_masters(store, masters: dict[str, torch.Tensor]) -> None:
-    """Set the masters (and their gradients) to the saved full-precision values."""
-    with torch.no_grad():
-        for name, master in store.masters():
-            master.copy_(masters[name])
-            grad = masters.get(f"grad/{name}")
-            master.grad = None if grad is None else grad.clone()
-
-
-# -- files -------------------------------------------------------------------------------
-
-
-def _sample(param: torch.Tensor) -> torch.Tensor:
-    """The first and last (up to) 64 elements of ``param``: a frozen weight's fingerprint."""
-    flat = param.detach().reshape(-1)
-    return torch.cat([flat[:64], flat[-64:]]).clone()
-
-
-def _write_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
-    from safetensors.torch import save_file
-
-    save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(path))
-    with open(path, "rb+") as file:
-        os.fsync(file.fileno())
-
-
-def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    return load_file(str(path))
-
-
-def _swap(tmp: Path, path: Path) -> None:
-    """Replace ``path`` by ``tmp``; at every instant one complete checkpoint exists, at
-    ``path`` or at ``path.old``."""
-    old = path.with_name(f"{path.name}.old")
-    if not path.exists() and old.exists():
-        os.replace(old, path)  # finish the swap of a save killed half-way first
-    shutil.rmtree(old, ignore_errors=True)
-    if path.exists():
-        os.replace(path, old)
-    os.replace(tmp, path)
-    shutil.rmtree(old, ignore_errors=True)
-    _remove_abandoned(path)
-
-
-def _remove_abandoned(path: Path) -> None:
-    """Temporary directories of saves whose process is gone (killed while writing)."""
-    for candidate in path.parent.glob(f"{path.name}.tmp-*"):
-        pid = candidate.name.rsplit("-", 1)[-1]
-        if pid.isdigit() and not _alive(int(pid)):
-            shutil.rmtree(candidate, ignore_errors=True)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def existing_checkpoint(path: Path, shard: dict | None = None) -> Path:
-    """``path``, or ``path.old`` where a save was killed between its two renames."""
-    if (path / "state.json").is_file():
-        return path
-    old = path.with_name(f"{path.name}.old")
-    if (old / "state.json").is_file():  # a save was killed between its two renames
-        return old
-    root = path.parent if shard else path
-    shards = sorted(p.name for p in root.glob("rank*-of-*")) if root.is_dir() else []
-    if shards:
-        raise FileNotFoundError(
-            f"no checkpoint at {path}: {root} holds shards {shards} of a save by several "
-            "nodes; load it with that number of nodes"
+            + "; load an earlier checkpoint"
         )
-    raise FileNotFoundError(f"no checkpoint at {path} (no state.json)")
+    if rows[0][0] not in (0, chosen):
+        lacking = [rank for rank, row in enumerate(rows) if rows[0][0] not in row]
+        warnings.warn(
+            f"the newest save at {path} did not complete on every rank (rank(s) {lacking} "
+            "lack it): loading the previous one, which every rank holds",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+    directory = target if held[0] == chosen else swap.old(target)
+    loaded: list[tuple[files.Staged, Callable[[], None]]] = []
+
+    def check() -> None:
+        staged = files.read(
+            directory, chosen, ranks.shard, *live, optimizer, lr_scheduler, grad_scaler
+        )
+        undo = files.load_objects(
+            staged, optimizer=optimizer, lr_scheduler=lr_scheduler, grad_scaler=grad_scaler
+        )
+        loaded.append((staged, undo))
+
+    error = _attempt(check)
+    try:
+        ranks.agree(error, "the checkpoint load", "loading the checkpoint")
+    except BaseException:
+        for _, undo in loaded:
+            undo()
+        raise
+    return loaded[0][0]
 
 
-def _split_optimizer(state: dict) -> tuple[dict[str, torch.Tensor], dict]:
-    tensors: dict[str, torch.Tensor] = {}
-    scalars: dict[str, dict[str, Any]] = {}
-    for index, values in state["state"].items():
-        for key, value in values.items():
-            if isinstance(value, torch.Tensor):
-                tensors[f"{index}/{key}"] = value
-            else:
-                scalars.setdefault(str(index), {})[key] = value
-    return tensors, {"param_groups": state["param_groups"], "scalars": scalars}
+def _newest_common(rows: list[list[int]]) -> int:
+    """Of the saves rank 0 holds (newest first), the first every rank holds; 0: none."""
+    return next((i for i in rows[0] if i and all(i in row for row in rows)), 0)
 
 
-def _join_optimizer(tensors: dict[str, torch.Tensor], rest: dict) -> dict:
-    state: dict[int, dict[str, Any]] = {}
-    for key, value in tensors.items():
-        index, name = key.split("/", 1)
-        state.setdefault(int(index), {})[name] = value
-    for index, values in rest["scalars"].items():
-        state.setdefault(int(index), {}).update(values)
-    return {"state": state, "param_groups": rest["param_groups"]}
+def _attempt(fn: Callable[[], None]) -> Exception | None:
+    """``fn()``'s exception, to be agreed on by every rank before any raises it."""
+    try:
+        fn()
+    except Exception as error:  # noqa: BLE001 - raised by Ranks.agree
+        return error
+    return None

@@ -40,14 +40,57 @@ class ParameterViews:
     OptimizerCtx = optimizer_ctx
 
     def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
-        if self._optimizer_view:
+        """The wrapped model's parameters; the masters inside :meth:`optimizer_ctx` and
+        inside ``step_fn``, where their gradients are the ones a step applies (so
+        ``torch.nn.utils.clip_grad_norm_(pipe.parameters(), ...)`` clips those)."""
+        if self._masters_meant():
             return self.optim_parameters()
         return super().parameters(recurse)
 
     def named_parameters(self, *args: Any, **kwargs: Any) -> Iterator[tuple[str, nn.Parameter]]:
-        if self._optimizer_view:
+        if self._masters_meant():
             return self.optim_named_parameters()
         return super().named_parameters(*args, **kwargs)
+
+    def _masters_meant(self) -> bool:
+        if self._optimizer_view:
+            return True
+        if not self._session.optimizer.is_current():
+            return False
+        if self._node is not None:
+            raise RuntimeError(
+                "inside step_fn on several nodes, pipe.parameters() would be this node's "
+                "share of the master parameters, and a gradient norm over them "
+                "(torch.nn.utils.clip_grad_norm_) would miss the other nodes' gradients; "
+                "call pipe.clip_grad_norm_(max_norm) (over every node's gradients), or "
+                "pipe.optim_parameters() for this node's share"
+            )
+        return True
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Discard the gradients the next step would apply, as ``model.zero_grad()`` in
+        PyTorch: it first waits for the calls in flight (and the steps queued before
+        them) to deliver theirs. Inside ``step_fn`` it clears what the step applies, at
+        once. With ``set_to_none=False`` the gradients become zeros instead of ``None``
+        (an Adam step then still moves the weights, as in PyTorch). On several nodes
+        every rank calls it."""
+        session = self._session
+        if session.optimizer.is_current():
+            self._discard_master_grads(set_to_none)
+            return
+        with session.enter("zero_grad"):
+            session.check_open()
+            error = session.recover(None)
+            self._discard_master_grads(set_to_none)
+            self.model.zero_grad(set_to_none)  # the copies synchronize() showed
+            session.fail_if(error)
+
+    def _discard_master_grads(self, set_to_none: bool) -> None:
+        kept = [] if set_to_none else [p for p in self.optim_parameters() if p.grad is not None]
+        self._session.store.discard_grads()
+        with torch.no_grad():
+            for master in kept:
+                master.grad = torch.zeros_like(master)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Inside ``step_fn``: scale the masters' gradients so that their norm over the

@@ -18,6 +18,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..core.config import RoundPipeRunConfig
 from .microbatch import batch_size, split_inputs, split_tree, tensor_leaves
+from .transfer import register_dataclasses
 
 _Key = tuple[torch.dtype, tuple[int, ...]]
 
@@ -147,6 +148,7 @@ def own_and_split(
 ) -> tuple[list, list, list[torch.Tensor]]:
     """Per-microbatch ``(args, kwargs)`` and labels, copied into ``pool`` buffers, and
     the buffers (to give back once the call has finished)."""
+    register_dataclasses((args, kwargs, label))
     check_on_host((args, kwargs), "the inputs")
     check_on_host(label, "the label")
     (args, kwargs, label), owned = pool.take((args, kwargs, label))

@@ -21,6 +21,7 @@ from ..errors import failure_site, locate
 from . import failures
 from .call import Call
 from .ledger import CallState, StepTask
+from .operation import OPERATION
 from .params import ParameterStore
 from .versions import WeightVersions
 
@@ -144,6 +145,7 @@ def _unscaled_by(grad_scaler) -> bool:
 
 
 def _loop(tasks: queue.SimpleQueue, run: Callable[[StepTask], None]) -> None:
+    OPERATION.set("step")  # this thread's own context
     while True:
         task = tasks.get()
         if task is _STOP:

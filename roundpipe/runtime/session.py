@@ -9,6 +9,7 @@ any line leaves a model that the next call can use (docs/design.md#calls-and-ses
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
 import threading
 from collections.abc import Callable, Sequence
@@ -22,6 +23,7 @@ from .call import Call
 from .inputs import HostBufferPool
 from .layers import LayerBinding
 from .ledger import INTERRUPTED, ISSUING, RETURNED, RUNNING, CallState, Ledger, LedgerCell, StepTask
+from .operation import OPERATION
 from .optimizer import NodeSteps, OptimizerThread
 from .params import ParameterStore
 from .profiler import LayerProfiler
@@ -335,6 +337,7 @@ class _Driving:
         self.what = what
         self.deferring = False
         self.first_seq = 0
+        self.naming: contextvars.Token | None = None
 
     def __enter__(self) -> Session:
         session = self.session
@@ -356,6 +359,8 @@ class _Driving:
             self._undefer()
             raise
         self.first_seq = session.ledger.next_seq
+        if OPERATION.get() is None:
+            self.naming = OPERATION.set(self.what)
         return session
 
     def _claim(self, session: Session) -> None:
@@ -374,6 +379,8 @@ class _Driving:
         return interrupts.undefer() if self.deferring else None
 
     def __exit__(self, exc_type, exc, traceback) -> None:
+        if self.naming is not None:
+            OPERATION.reset(self.naming)
         driver = self.session.driver
         driver["depth"] -= 1
         if driver["depth"] <= 0:

@@ -93,11 +93,14 @@ class StageCompute:
         grad = grads_of_inputs(inputs) if layers.start > 0 else None
         return {InputGrad(layers.start, m): grad}
 
-    def timed(self, kind: str, layers: range, fn: Callable[[], object]):
-        """Run ``fn``, model its kernel time, record its duration."""
+    def timed(self, kind: str, layers: range, fn: Callable[..., object], *args, **kwargs):
+        """Run ``fn(*args, **kwargs)``, model its kernel time, record its duration.
+
+        The arguments are passed, not captured in a closure: a kept error's traceback
+        keeps the functions of its frames alive (docs/design.md#errors)."""
         timer = self.device.timer()
         timer.start()
-        result = fn()
+        result = fn(*args, **kwargs)
         self.device.model_kernel_time(OpInfo(kind, layers=tuple(layers)))
         timer.stop()
         self.timings.append((kind, tuple(layers), timer))
@@ -111,7 +114,7 @@ class StageCompute:
         args, kwargs = value
         try:
             with failure_site(f"{layer} in {self.name}, microbatch {m}"):
-                output = self.timed(kind, range(index, index + 1), lambda: shell(*args, **kwargs))
+                output = self.timed(kind, range(index, index + 1), shell, *args, **kwargs)
                 return ((output,), {})
         finally:
             layer.unbind(shell)

@@ -4,17 +4,19 @@ An upload is prepared on the issuing thread (:class:`Upload`: its device memory 
 taken then, as CUDA's caching allocator takes it when the host asks) and copied in its
 stream op; everything else here runs inside stream ops. Tensors that appear several
 times in a tree are moved once, so aliasing survives the trip (a gradient is then not
-counted twice).
+counted twice). Dataclass instances are tree nodes like tuples (:func:`register_dataclasses`).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
 import threading
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import SUPPORTED_NODES, register_pytree_node, tree_flatten, tree_unflatten
 
 from ..devices.base import Device, Event, Slot, Stream
 
@@ -36,6 +38,62 @@ def _tensor_list(tree: Any, leaf: type | tuple[type, ...] = torch.Tensor) -> boo
     return type(tree) is list and all(t is None or isinstance(t, leaf) for t in tree)
 
 
+_REGISTER_LOCK = threading.Lock()
+
+
+def register_dataclasses(tree: Any) -> None:
+    """Make the type of every dataclass instance in ``tree`` a pytree node (once per
+    type, for every tree walk in the process), so the tensors in its fields are copied,
+    split, moved and paired with gradients like a tuple's instead of hiding in a leaf.
+
+    An instance is taken apart into its attributes and rebuilt from them without
+    calling ``__init__`` (as ``copy.copy`` does), so fields outside ``__init__`` and
+    ``frozen`` or ``slots`` dataclasses survive the trip unchanged."""
+    _flatten(tree)
+
+
+def _flatten(tree: Any) -> tuple[list[Any], Any]:
+    """``tree_flatten`` after :func:`register_dataclasses`."""
+    while True:
+        leaves, spec = tree_flatten(tree)
+        kinds = {type(leaf) for leaf in leaves if _is_dataclass_instance(leaf)}
+        if not kinds:
+            return leaves, spec
+        for kind in kinds:  # then flatten again: their fields may hold dataclasses
+            _register_dataclass(kind)
+
+
+def _is_dataclass_instance(value: Any) -> bool:
+    return dataclasses.is_dataclass(value) and not isinstance(value, type)
+
+
+def _register_dataclass(kind: type) -> None:
+    with _REGISTER_LOCK:
+        if kind in SUPPORTED_NODES:  # another thread was first, or the user registered it
+            return
+        register_pytree_node(
+            kind,
+            _dataclass_children,
+            functools.partial(_rebuild_dataclass, kind),
+            serialized_type_name=f"{kind.__module__}.{kind.__qualname__}",
+        )
+
+
+def _dataclass_children(value: Any) -> tuple[list[Any], tuple[str, ...]]:
+    if hasattr(value, "__dict__"):
+        names = tuple(vars(value))
+    else:  # slots=True
+        names = tuple(f.name for f in dataclasses.fields(value) if hasattr(value, f.name))
+    return [getattr(value, name) for name in names], names
+
+
+def _rebuild_dataclass(kind: type, children: Any, names: tuple[str, ...]) -> Any:
+    value = kind.__new__(kind)
+    for name, child in zip(names, children, strict=True):
+        object.__setattr__(value, name, child)  # frozen dataclasses too
+    return value
+
+
 def _map_unique(tree: Any, fn, leaf: type | tuple[type, ...] = torch.Tensor) -> Any:
     if _plain_tensors(tree, leaf):  # fast path, same result as _map_general
         moved: dict[int, Any] = {}
@@ -54,7 +112,7 @@ def _map_unique(tree: Any, fn, leaf: type | tuple[type, ...] = torch.Tensor) -> 
 
 def _map_general(tree: Any, fn, leaf: type | tuple[type, ...] = torch.Tensor) -> Any:
     """``fn`` applied once to each distinct ``leaf`` of any pytree, other leaves kept."""
-    leaves, spec = tree_flatten(tree)
+    leaves, spec = _flatten(tree)
     moved: dict[int, Any] = {}
     out = []
     for item in leaves:
@@ -214,7 +272,7 @@ def _unique_tensors(tree: Any) -> list[torch.Tensor]:
     elif _tensor_list(tree):
         leaves = tree
     else:
-        leaves = tree_flatten(tree)[0]
+        leaves = _flatten(tree)[0]
     seen: dict[int, torch.Tensor] = {}
     for leaf in leaves:
         if isinstance(leaf, torch.Tensor):

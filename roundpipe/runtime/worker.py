@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from ..core.program import JobProgram
 from ..core.schedule import Job
 from ..devices.base import Device, Event
-from ..errors import locate
+from ..errors import locate, release_frames
 from .call import Call
 from .context import JobContext, WorkerContext
 from .issuer import JobIssuer
@@ -45,15 +45,34 @@ class DeviceJob:
     error: BaseException | None = None
     """Why the weights could not be issued (the issue thread fails the job with it)."""
     end: Event | None = None
-    """Recorded on the compute stream after the job's last op (None: nothing issued)."""
+    """Recorded on the compute stream after the job's last op (None: nothing issued,
+    or the job has finished)."""
+    issuer: JobIssuer | None = None
+    """What issued the job's compute, until it has finished."""
     prefetched: threading.Event = field(default_factory=threading.Event)
     issued: threading.Event = field(default_factory=threading.Event)
 
     def wait_until_finished(self) -> None:
         """On the host: until the device has run every op of this job."""
         self.issued.wait()
-        if self.end is not None:
-            self.end.wait(None)
+        end = self.end
+        if end is not None:
+            end.wait(None)
+
+    def let_go(self, error: BaseException | None) -> None:
+        """Once every op of the job has run: drop what could keep its device memory
+        alive, as its ``error`` may be kept long after (docs/design.md#errors). After an
+        error the ops that would have emptied the slots were skipped (the release of
+        the weights, the consumers of uploads), and the error's traceback keeps the
+        closures of the ops that raised it, which reach the issuer's slots. The end
+        event goes too: waiting on it again would re-raise its error, adding frames."""
+        if self.weights is not None:
+            self.weights.tensors.take()
+        if self.issuer is not None:
+            for slot in self.issuer.results.values():
+                slot.take()
+        self.issuer = self.end = None
+        release_frames(error)
 
 
 class DeviceWorker:
@@ -152,10 +171,9 @@ class DeviceWorker:
             return
         ctx = record.ctx
         error = record.error
-        issuer = None
         if error is None:
             try:
-                issuer = JobIssuer(ctx, record.program, record.weights)
+                issuer = record.issuer = JobIssuer(ctx, record.program, record.weights)
                 issuer.issue()
             except BaseException as exc:  # noqa: BLE001 - handed to the call
                 error = locate(exc, f"{ctx.name} on device {self.device!r}")
@@ -165,7 +183,7 @@ class DeviceWorker:
         finally:
             record.issued.set()
         if error is not None:
-            self.fail_job(ctx.call, ctx.job, error, ends)
+            self.fail_job(ctx.call, ctx.job, error, ends, record)
             return
         call, job, profiler = ctx.call, ctx.job, self.profiler
 
@@ -174,12 +192,22 @@ class DeviceWorker:
                 profiler.record(kind, layers, timer.seconds())
             for transfer in issuer.transfers:
                 profiler.record_timing(transfer)
+            record.let_go(None)
             call.latch.finish(job.index)
 
-        self.context.after(ends, done, lambda exc: call.latch.finish(job.index, exc))
+        def failed(exc: BaseException) -> None:
+            record.let_go(exc)
+            call.latch.finish(job.index, exc)
+
+        self.context.after(ends, done, failed)
 
     def fail_job(
-        self, call: Call, job: Job, error: BaseException, ends: list[Event] | None = None
+        self,
+        call: Call,
+        job: Job,
+        error: BaseException,
+        ends: list[Event] | None = None,
+        record: DeviceJob | None = None,
     ) -> None:
         """The one way a job fails: whoever waits on its outputs or on its layers'
         buffers is released now; the job finishes on the call's latch with ``error``
@@ -188,6 +216,8 @@ class DeviceWorker:
         self.context.open_buffer_gates(call, job)
 
         def finish(_: BaseException | None = None) -> None:
+            if record is not None:
+                record.let_go(error)
             call.latch.finish(job.index, error)
 
         if ends:
@@ -213,7 +243,7 @@ def _issue_loop(records: queue.SimpleQueue, worker: DeviceWorker) -> None:
             worker.issue(record)
         except BaseException as exc:  # noqa: BLE001 - the thread must outlive any job
             record.issued.set()
-            worker.fail_job(record.ctx.call, record.ctx.job, exc)
+            worker.fail_job(record.ctx.call, record.ctx.job, exc, record=record)
 
 
 def _followup_loop(followups: queue.SimpleQueue, worker: DeviceWorker) -> None:
@@ -221,14 +251,30 @@ def _followup_loop(followups: queue.SimpleQueue, worker: DeviceWorker) -> None:
         item = followups.get()
         if item is _STOP:
             return
-        events, fn, on_error = item
+        _follow_up(*item)
+
+
+def _follow_up(
+    events: list[Event], fn: Callable[[], None], on_error: Callable[[BaseException], None]
+) -> None:
+    """``fn()`` once every event has completed, else ``on_error`` with the first error,
+    also once all of them completed (nothing issued before them still runs then)."""
+    errors = []
+    for event in events:
         try:
-            for event in events:
-                event.synchronize()
-            fn()
+            event.synchronize()
         except BaseException as exc:  # noqa: BLE001 - handed to the call
-            with contextlib.suppress(BaseException):  # the thread outlives any handler
-                on_error(exc)
+            errors.append(exc)
+    if not errors:
+        try:
+            fn()
+            return
+        except BaseException as exc:  # noqa: BLE001 - handed to the call
+            errors.append(exc)
+    for error in errors:
+        release_frames(error)  # the work that raised them has finished
+    with contextlib.suppress(BaseException):  # the thread outlives any handler
+        on_error(errors[0])
 
 
 def _preload_lazy_imports() -> None:

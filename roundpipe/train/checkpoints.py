@@ -109,12 +109,13 @@ def describe_world(world: int) -> str:
 
 def resumable_checkpoints(
     output: Path, options: TrainOptions, shard: dict | None = None
-) -> list[Found]:
-    """The checkpoints in ``output`` whose state can be read, newest first, the newest
-    checked against ``options``; :class:`UsageError` when there is none, when the newest
-    was written by another number of processes, or when it belongs to another model or
-    adapter shape. (A checkpoint whose tensors then fail to load gives way to the next.)
-    With ``shard``: this rank's shards, whose tensor files are checked to be readable."""
+) -> tuple[list[Found], list[str]]:
+    """The checkpoints in ``output`` whose files can be read (their state and every
+    tensor file's header), newest first, the newest checked against ``options``; and
+    why each damaged one newer than the newest readable one is skipped. A
+    :class:`UsageError` when there is none, when the newest was written by another number
+    of processes, or when it belongs to another model or adapter shape. With ``shard``:
+    this rank's shards."""
     root = Path(output) / CHECKPOINTS_DIR
     world = shard["world"] if shard else 1
     worlds = saved_worlds(output)
@@ -130,44 +131,46 @@ def resumable_checkpoints(
         raise UsageError(
             f"--resume: no checkpoint in {root} to continue from (drop --resume to start a new run)"
         )
-    found = []
+    found, damaged = [], []
     for step, path in candidates:
         try:
             found_here = _read(path, shard)
-        except (OSError, ValueError, KeyError, TypeError):
-            continue  # unreadable (a damaged disk, a foreign directory): try an older one
+        except (OSError, ValueError, KeyError, TypeError) as error:
+            if not found:  # newer than any readable one: the user should know
+                damaged.append(str(error) or f"{path} cannot be read ({type(error).__name__})")
+            continue
         if found_here.position.step == step:
             found.append(found_here)
     if not found:
         raise UsageError(
-            f"--resume: none of the {len(candidates)} checkpoints in {root} is readable"
+            f"--resume: none of the {len(candidates)} checkpoints in {root} is readable "
+            f"({'; '.join(damaged)})"
         )
     check_compatible(found[0], options)
-    return found
+    return found, damaged
 
 
 def _read(path: Path, shard: dict | None) -> Found:
     where = existing_checkpoint(shard_path(path, shard) if shard else path, shard)
-    state = json.loads((where / "state.json").read_text())
-    extra = state.get("extra") or {}
-    save_id = 0
-    if shard:
-        save_id = int(state["shard"]["save_id"])
-        _check_tensor_files(where)
-    return Found(path, Position(**extra["position"]), extra["options"], save_id)
+    try:
+        state = json.loads((where / "state.json").read_text())
+        extra = state.get("extra") or {}
+        position, options = Position(**extra["position"]), dict(extra["options"])
+        save_id = int(state["shard"]["save_id"]) if shard else 0
+    except (ValueError, KeyError, TypeError, AttributeError) as error:
+        raise ValueError(f"{where / 'state.json'} is damaged ({error!r})") from error
+    _check_tensor_files(where)
+    return Found(path, position, options, save_id)
 
 
 def _check_tensor_files(where: Path) -> None:
-    """Every tensor file's header reads and fits its file (a shard is loaded by all
-    ranks together: one that fails half-way would leave the others waiting)."""
-    from safetensors import SafetensorError, safe_open
+    """Every tensor file's header reads and fits its file: a checkpoint cut short is
+    skipped here, before anything loads (and, sharded, before the ranks load together:
+    one failing half-way would leave the others waiting)."""
+    from ..hf.safetensors_io import read_header
 
-    for name in ("weights", "masters", "rng", "optimizer"):
-        try:
-            with safe_open(str(where / f"{name}.safetensors"), "pt") as file:
-                file.keys()
-        except SafetensorError as error:
-            raise ValueError(f"{where / name}.safetensors: {error}") from error
+    for name in ("weights", "masters", "rng", "optimizer"):  # a run saves all four
+        read_header(where / f"{name}.safetensors")
 
 
 def common_checkpoints(mine: list[Found], every_rank: list[list[tuple[int, int]]]) -> list[Found]:

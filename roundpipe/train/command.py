@@ -1,14 +1,18 @@
 """``roundpipe train``: the subcommand's parser and its run, from options to exit code
-(0, 2 for bad input before any training, 130 after Ctrl-C). See :data:`DESCRIPTION`."""
+(0; 2 for bad input before any training; 128 + the signal's number after a stop
+signal, 130 for Ctrl-C; 1 when the disk is full or another process failed). See
+:data:`DESCRIPTION`."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 from pathlib import Path
 from typing import Any
 
 from ..cluster import PeerFailure
+from .disk import NoSpace
 from .options import OPTIONS, UsageError, add_arguments, read_config, resolve
 
 DESCRIPTION = """\
@@ -20,9 +24,11 @@ Fine-tune a local Hugging Face causal LM on a JSONL file.
 LoRA by default (--full trains every weight). --output receives the adapter (or the
 model) with its tokenizer, run.yaml (the resolved options, usable as --config),
 metrics.jsonl, loss.png and checkpoints/step-N; --resume continues from the newest
-checkpoint there. Ctrl-C stops after the current step (a second Ctrl-C at once),
-writes a checkpoint and exits with code 130. Bad options or inputs exit with code 2
-before any training.
+checkpoint there (a finished run: nothing to do). Ctrl-C, SIGTERM and SIGHUP stop
+after the current step (a second Ctrl-C at once), write a checkpoint and exit with code
+128 + the signal's number (130 for Ctrl-C). One run at a time writes an --output (a
+second exits with code 2). Bad options or inputs exit with code 2 before anything is
+written; a full disk exits with code 1.
 
 Across K machines, one process on each, data parallel (on machine R = 0..K-1):
   torchrun --nnodes K --node-rank R --nproc-per-node 1 --master-addr HOST0
@@ -30,7 +36,8 @@ Across K machines, one process on each, data parallel (on machine R = 0..K-1):
 --batch-size is the global batch (each process takes its share of the rows). Rank 0
 prints and writes the metrics, the plot and the model; every rank keeps its shard of
 each checkpoint in checkpoints/step-N/rank<r>-of-<K> (resumable with the same K).
-Ctrl-C on any machine stops every process after the same step (a repeated Ctrl-C too).
+A stop signal on any machine stops every process after the same step (a repeated one
+too).
 A process that fails or is lost stops the others within --dist-timeout (exit code 1).
 """
 DEMO_OUTPUT = Path("roundpipe-demo")
@@ -57,7 +64,7 @@ def add_train_parser(commands: Any) -> argparse.ArgumentParser:
 
 
 def run_train(args: argparse.Namespace) -> int:
-    """The ``train`` subcommand: its exit code (0, 2 for bad input, 130 for Ctrl-C)."""
+    """The ``train`` subcommand: its exit code (see the module docstring)."""
     keys = {option.key for option in OPTIONS}
     command_line = {k: v for k, v in vars(args).items() if k in keys}
     try:
@@ -67,7 +74,7 @@ def run_train(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         print("roundpipe train: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
-    except PeerFailure as error:  # another process failed, or the network between them
+    except (PeerFailure, NoSpace) as error:  # another process failed; a full disk
         print(f"roundpipe train: error: {error}", file=sys.stderr)
         return EXIT_FAILED
     except ValueError as error:  # not bad input: keep it from the CLI's exit-2 handler
@@ -76,7 +83,8 @@ def run_train(args: argparse.Namespace) -> int:
 
 
 def _train(command_line: dict[str, Any]) -> int:
-    from .preflight import check_packages, prepare
+    from .lock import holding
+    from .preflight import check_packages, find_start, prepare
     from .ranks import check_several, from_environment, joined
 
     check_packages()
@@ -84,31 +92,59 @@ def _train(command_line: dict[str, Any]) -> int:
     config = read_config(command_line["config"]) if command_line.get("config") else {}
     user = {**config, **command_line}
     check_several(ranks, user.get("precision"), bool(user.get("demo")))
-    demo = _prepare_demo(user) if user.get("demo") else None
-    options = resolve(command_line, config, preset=demo and demo["options"])
-    check_several(ranks, options.precision, options.demo)
-    with joined(ranks, options.dist_timeout):
-        prepared = prepare(options, ranks)
+    with contextlib.ExitStack() as held:
+        demo = None
+        if user.get("demo"):  # its assets go into --output: held before they are written
+            output = _demo_output(user)
+            held.enter_context(holding(output))
+            demo = _prepare_demo(user, output)
+        options = resolve(command_line, config, preset=demo and demo["options"])
+        check_several(ranks, options.precision, options.demo)
+        with joined(ranks, options.dist_timeout):
+            prepared = prepare(options, ranks)  # nothing written before it passed
+            if demo is None:
+                held.enter_context(holding(prepared.options.output, ranks))
+            prepared = find_start(prepared, ranks)
+            if prepared.finished:
+                _print_finished(prepared, ranks.main)
+                return 0
 
-        from .loop import train
+            from .loop import train
 
-        outcome = train(prepared, ranks=ranks)
-    if outcome.interrupted:
-        return EXIT_INTERRUPTED
+            outcome = train(prepared, ranks=ranks)
+    if outcome.stop_signal:
+        return 128 + outcome.stop_signal
     if demo is not None:
         _print_samples(demo["setup"], prepared.options.output)
     return 0
 
 
-def _prepare_demo(user: dict[str, Any]) -> dict[str, Any]:
-    """The ``--demo`` assets in ``<output>/base-model`` and its preset options."""
+def _print_finished(prepared: Any, main: bool) -> None:
+    from .result import result_name
+
+    if not main:
+        return
+    found, o = prepared.resume_from[0], prepared.options
+    print(
+        f"{o.output} is finished: all {prepared.total_steps} steps are done "
+        f"({found.path.name}) and the {result_name(o.full)} is written; nothing to do "
+        "(raise --steps to train further)",
+        flush=True,
+    )
+
+
+def _demo_output(user: dict[str, Any]) -> Path:
     clashing = [f"--{name}" for name in ("model", "data") if user.get(name) is not None]
     if clashing:
         raise UsageError(f"--demo brings its own model and data: drop {' and '.join(clashing)}")
-    from .demo import prepare_demo
-    from .loop import quiet_transformers
+    return Path(user.get("output") or DEMO_OUTPUT)
 
-    output = Path(user.get("output") or DEMO_OUTPUT)
+
+def _prepare_demo(user: dict[str, Any], output: Path) -> dict[str, Any]:
+    """The ``--demo`` assets in ``<output>/base-model`` and its preset options."""
+    from .demo import prepare_demo
+    from .quiet import quiet_transformers
+
     try:
         with quiet_transformers():
             setup = prepare_demo(output, seed=user.get("seed", 0))
@@ -126,7 +162,7 @@ def _prepare_demo(user: dict[str, Any]) -> dict[str, Any]:
 
 def _print_samples(setup: Any, trained: Path) -> None:
     from .demo import format_samples, sample_generations
-    from .loop import quiet_transformers
+    from .quiet import quiet_transformers
 
     with quiet_transformers():
         samples = sample_generations(setup.model_dir, trained, setup.prompts)

@@ -1,10 +1,10 @@
 """The training run of ``roundpipe train``: build the pipe, train, evaluate, checkpoint.
 
 Step ``k`` trains on ``Batches.batch(k - 1)``, and everything a run does depends on the
-step number only, so a resumed run continues as the uninterrupted one would have;
-Ctrl-C finishes (or, a second time, abandons) the step and checkpoints
-(docs/design.md#training-loop). Under ``torchrun`` every rank trains on its rows of the
-global batch (docs/design.md#training-across-nodes).
+step number only, so a resumed run continues as the uninterrupted one would have; a
+stop signal (Ctrl-C, SIGTERM, SIGHUP) finishes the step (a second Ctrl-C abandons it)
+and checkpoints (docs/design.md#training-loop). Under ``torchrun`` every rank trains on
+its rows of the global batch (docs/design.md#training-across-nodes).
 """
 
 from __future__ import annotations
@@ -12,13 +12,9 @@ from __future__ import annotations
 import os
 import signal
 import sys
-import threading
 import time
-import warnings
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, replace
-from typing import Any, TextIO
+from typing import TextIO
 
 import torch
 
@@ -30,6 +26,8 @@ from .checkpoints import (
     prune_checkpoints,
     remove_checkpoint,
 )
+from .disk import SMALL_FILE, writing
+from .model_checks import lora_config
 from .optim import (
     adopt_options,
     build_optimizer,
@@ -41,51 +39,23 @@ from .optim import (
 from .options import TrainOptions, UsageError, changed_options, write_run_yaml
 from .preflight import Prepared
 from .progress import Progress, Silent, StepReport, open_progress
+from .quiet import quiet_transformers
 from .ranks import Ranks
 from .report import METRICS_FILE, PLOT_FILE, MetricsLog, plot_losses
+from .result import result_bytes, result_name, save_result
+from .stopping import StopRequest, signal_name
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+PLOT_BYTES = 100_000  # about what loss.png takes
 
 
 @dataclass(frozen=True)
 class Outcome:
-    """How a run ended: after ``steps`` steps, finished or interrupted by Ctrl-C."""
+    """How a run ended: after ``steps`` steps, finished, or stopped by the signal
+    ``stop_signal`` (0: finished)."""
 
     steps: int
-    interrupted: bool
-
-
-class StopRequest:
-    """Ctrl-C while training: the first asks the loop to stop after the current step,
-    the second raises ``KeyboardInterrupt`` (abandoning the step)."""
-
-    def __init__(self, abandon: bool = True) -> None:
-        self.requested = False
-        self.abandon = abandon
-        """False: a second Ctrl-C only repeats the request (several processes)."""
-
-    def _handle(self, signum: int, frame: Any) -> None:
-        if self.requested and self.abandon:
-            raise KeyboardInterrupt
-        self.requested = True
-
-    @contextmanager
-    def installed(self) -> Iterator[StopRequest]:
-        if (
-            threading.current_thread() is not threading.main_thread()
-            or signal.getsignal(signal.SIGINT) is signal.SIG_IGN  # a background job: keep so
-        ):
-            yield self
-            return
-        previous = signal.signal(signal.SIGINT, self._handle)
-        try:
-            yield self
-        finally:
-            # Asked to stop where a Ctrl-C never abandons a step (several processes):
-            # the process is on its way out with 130, and a Ctrl-C from now on could only
-            # kill it half-way through its exit while the other ranks wait for it.
-            keep_out = self.requested and not self.abandon
-            signal.signal(signal.SIGINT, signal.SIG_IGN if keep_out else previous)
+    stop_signal: int = 0
 
 
 def build_pipe(options: TrainOptions, ranks: Ranks | None = None):
@@ -96,18 +66,6 @@ def build_pipe(options: TrainOptions, ranks: Ranks | None = None):
     from ..core.config import RoundPipeRunConfig
     from ..hf.loading import from_pretrained
 
-    lora = None
-    if not options.full:
-        import peft
-
-        alpha = options.lora_alpha
-        lora = peft.LoraConfig(
-            r=options.lora_r,
-            lora_alpha=int(alpha) if float(alpha).is_integer() else alpha,
-            target_modules=options.lora_target_modules(),
-            lora_dropout=options.lora_dropout,
-            task_type="CAUSAL_LM",
-        )
     scaler = torch.amp.GradScaler("cpu") if options.precision == "fp16" else None
     several = {}
     if ranks is not None and ranks.world > 1:
@@ -117,26 +75,13 @@ def build_pipe(options: TrainOptions, ranks: Ranks | None = None):
         pipe = from_pretrained(
             options.model,
             torch_dtype=DTYPES[options.precision],
-            lora=lora,
+            lora=lora_config(options),
             devices=options.devices,
             model_run_config=RoundPipeRunConfig(num_microbatch=options.microbatches),
             grad_scaler=scaler,
             **several,
         )
     return pipe, scaler
-
-
-@contextmanager
-def quiet_transformers() -> Iterator[None]:
-    """Without transformers' progress bars (loading or writing weights) and the
-    FutureWarnings peft triggers by calling APIs transformers deprecates: noise in the
-    command's output that its user can do nothing about."""
-    from transformers.utils import logging as transformers_logging
-
-    transformers_logging.disable_progress_bar()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)
-        yield
 
 
 def mean_token_loss(pipe, batches, ranks: Ranks | None = None) -> float:
@@ -172,6 +117,8 @@ class Run:
         self.output = self.options.output
         self.metrics = MetricsLog(self.output / METRICS_FILE, write=self.main)
         self.progress: Progress | None = None
+        self.saved_step: int | None = None
+        """The step of the newest checkpoint on disk (None: none yet)."""
 
     def say(self, text: str) -> None:
         if not self.main:
@@ -183,51 +130,60 @@ class Run:
 
     def train(self) -> Outcome:
         o = self.options
-        self.output.mkdir(parents=True, exist_ok=True)
         if self.main:
-            write_run_yaml(o, self.output / "run.yaml")
+            with self._writing(self.output / "run.yaml", SMALL_FILE):
+                write_run_yaml(o, self.output / "run.yaml")
         for note in self.prepared.notes:
             self.say(note)
         pipe, scaler = build_pipe(o, self.ranks)
         with pipe:
             self.pipe, self.scaler = pipe, scaler
-            params = list(pipe.optim_parameters())
-            self.optimizer = build_optimizer(params, o.lr, o.weight_decay)
+            self.params = list(pipe.optim_parameters())
+            self.optimizer = build_optimizer(self.params, o.lr, o.weight_decay)
             self.scheduler = build_scheduler(self.optimizer, o.warmup_steps, self.total, o.schedule)
             self.step_fn = step_function(
                 self.optimizer, self.scheduler, pipe.clip_grad_norm_, o.grad_clip, scaler
             )
             start = self._resume() if self.prepared.resume_from else self._start_fresh()
-            self.saved_step = start.step if self.prepared.resume_from else None
-            where = o.devices
-            if self.ranks.world > 1:
-                where = f"{self.ranks.world} processes ({o.devices} each)"
-            trainable = sum(p.numel() for p in pipe.hf_model.parameters() if p.requires_grad)
-            self.say(
-                f"training {'all weights' if o.full else 'a LoRA adapter'} of {o.model.name} "
-                f"({trainable:,} trainable parameters) on {where}, "
-                f"{o.precision}, steps {start.step + 1}-{self.total}"
-            )
-            self.progress = (
-                open_progress(self.total, start.step, self.stream) if self.main else Silent()
-            )
-            try:
-                position, interrupted = self._loop(start)
-            finally:
-                self.progress.close()
-                self.progress = None
-            if interrupted:
+            if start.step == self.total:  # stopped while it wrote the result
+                self.say(f"all {self.total} steps are done; writing the {result_name(o.full)}, "
+                         "which is missing or incomplete")  # fmt: skip
+                position, stopped = start, 0
+            else:
+                position, stopped = self._train_steps(start)
+            if stopped:
                 self.say(f"interrupted: checkpoint of step {position.step} written; continue "
                          "with --resume")  # fmt: skip
-                return Outcome(position.step, interrupted=True)
+                return Outcome(position.step, stopped)
             self._save_result()
-        return Outcome(position.step, interrupted=False)
+        return Outcome(position.step)
+
+    def _train_steps(self, start: Position) -> tuple[Position, int]:
+        o = self.options
+        where = o.devices
+        if self.ranks.world > 1:
+            where = f"{self.ranks.world} processes ({o.devices} each)"
+        trainable = sum(p.numel() for p in self.pipe.hf_model.parameters() if p.requires_grad)
+        self.say(
+            f"training {'all weights' if o.full else 'a LoRA adapter'} of {o.model.name} "
+            f"({trainable:,} trainable parameters) on {where}, "
+            f"{o.precision}, steps {start.step + 1}-{self.total}"
+        )
+        self.progress = (
+            open_progress(self.total, start.step, self.stream) if self.main else Silent()
+        )
+        try:
+            return self._loop(start)
+        finally:
+            self.progress.close()
+            self.progress = None
 
     def _start_fresh(self) -> Position:
         shard = self.ranks.shard
         for _, path in complete_checkpoints(self.output, shard):  # an earlier demo run's
             remove_checkpoint(path, shard)
-        self.metrics.start_fresh()
+        with self._writing(self.metrics.path, SMALL_FILE):
+            self.metrics.start_fresh()
         return Position(step=0, tokens=0, elapsed_s=0.0)
 
     def _resume(self) -> Position:
@@ -239,15 +195,17 @@ class Run:
                 self.pipe.load_checkpoint(
                     found.path, self.optimizer, self.scheduler, grad_scaler=self.scaler
                 )
-            except (OSError, ValueError, KeyError, RuntimeError) as error:
+            except (OSError, ValueError) as error:  # a damaged checkpoint, named
                 if self.ranks.world > 1:
                     raise
-                self.say(f"cannot load {found.path} ({error}); trying an older checkpoint")
+                self.say(f"warning: cannot load {found.path} ({error}); trying an older one")
                 continue
             adopt_options(
                 self.optimizer, self.scheduler, self.options.lr, self.options.weight_decay
             )
-            self.metrics.keep_until(found.position.step)
+            self.saved_step = found.position.step
+            with self._writing(self.metrics.path, SMALL_FILE):
+                self.metrics.keep_until(found.position.step)
             self.say(f"resuming from {found.path} (step {found.position.step})")
             changed = changed_options(found.options, self.options)
             if changed:
@@ -257,30 +215,31 @@ class Run:
             return found.position
         raise UsageError(f"--resume: no checkpoint in {self.output / 'checkpoints'} loads")
 
-    def _loop(self, position: Position) -> tuple[Position, bool]:
-        """Train from ``position`` to the end, or until Ctrl-C; returns where it stopped
-        and whether it was interrupted (a checkpoint of that step is then written)."""
+    def _loop(self, position: Position) -> tuple[Position, int]:
+        """Train from ``position`` to the end, or until a stop signal; returns where it
+        stopped and the signal (0: finished; else a checkpoint of that step is written)."""
         several = self.ranks.world > 1 or "TORCHELASTIC_RUN_ID" in os.environ
         stop = StopRequest(abandon=not several)
         self.session_start = time.monotonic()
         self.elapsed_before = position.elapsed_s
         self.mark = self.session_start
-        stopping = False  # agreed by every rank after each step
+        stopped = 0  # the stop signal, agreed by every rank after each step
         with stop.installed():
             try:
-                while position.step < self.total and not stopping:
+                while position.step < self.total and not stopped:
                     position = self._step(position)
-                    stopping = self.ranks.any(stop.requested, "the Ctrl-C flag exchange")
-                if not stopping:
-                    return position, False
-                self.say(f"Ctrl-C: stopped after step {position.step}")
+                    stopped = self.ranks.max(stop.signum, "the stop-signal exchange")
+                if position.step == self.total:  # a signal in the last step: nothing to stop
+                    return position, 0
+                self.say(f"{signal_name(stopped)}: stopped after step {position.step}")
             except KeyboardInterrupt:
                 if self.ranks.world > 1:
                     raise  # no checkpoint: the others stop at their next collective
+                stopped = signal.SIGINT
                 position = self._after_abandoned_step(position)
             if position.step != self.saved_step:  # a repeated Ctrl-C as during the steps
                 self._save_checkpoint(position)
-        return position, True
+        return position, stopped
 
     def _step(self, before: Position) -> Position:
         o, index = self.options, before.step
@@ -307,7 +266,8 @@ class Run:
                   "tokens_per_s": tokens_per_s, "elapsed_s": position.elapsed_s}  # fmt: skip
         if eval_loss is not None:
             record["eval_loss"] = eval_loss
-        self.metrics.append(record)
+        with self._writing(self.metrics.path, SMALL_FILE):
+            self.metrics.append(record)
         self.progress.update(StepReport(step, loss, lr, tokens_per_s, eval_loss))
         save = (o.save_every is not None and step % o.save_every == 0) or step == self.total
         if save:
@@ -328,39 +288,54 @@ class Run:
         done = self.scheduler.last_epoch  # the steps that ran
         batches = self.prepared.train_batches
         tokens = before.tokens + sum(batches.num_tokens(i) for i in range(before.step, done))
-        self.metrics.keep_until(done)
+        with self._writing(self.metrics.path, SMALL_FILE):
+            self.metrics.keep_until(done)
         return Position(done, tokens, self._elapsed(time.monotonic()))
 
     def _save_checkpoint(self, position: Position) -> None:
         path = checkpoint_path(self.output, position.step)
-        self.pipe.save_checkpoint(
-            path,
-            optimizer=self.optimizer,
-            lr_scheduler=self.scheduler,
-            grad_scaler=self.scaler,
-            extra=extra_record(position, self.options),
-        )
+        with self._writing(path, self._checkpoint_bytes()):
+            self.pipe.save_checkpoint(
+                path,
+                optimizer=self.optimizer,
+                lr_scheduler=self.scheduler,
+                grad_scaler=self.scaler,
+                extra=extra_record(position, self.options),
+            )
         self.saved_step = position.step
         prune_checkpoints(self.output, self.options.keep_checkpoints, self.ranks.shard)
         self._plot()
 
+    def _checkpoint_bytes(self) -> int:
+        """About a checkpoint's size: the trainable weights, their masters and the
+        optimizer's state of them."""
+        trainable = [p for p in self.pipe.hf_model.parameters() if p.requires_grad]
+        state = [t for s in self.optimizer.state.values() for t in s.values()
+                 if isinstance(t, torch.Tensor)]  # fmt: skip
+        return sum(t.nbytes for t in (*trainable, *self.params, *state))
+
     def _plot(self) -> None:
         if self.main:
             title = self.options.model.name
-            plot_losses(self.metrics.records(), self.output / PLOT_FILE, title=title)
+            with self._writing(self.output / PLOT_FILE, PLOT_BYTES):
+                plot_losses(self.metrics.records(), self.output / PLOT_FILE, title=title)
 
     def _save_result(self) -> None:
-        """The adapter (LoRA) or the model (``--full``) with its tokenizer, so that
-        ``--output`` loads on its own."""
-        with quiet_transformers():
-            self.pipe.save_pretrained(self.output)  # collective: rank 0 writes
-        if self.main:
-            self.prepared.tokenizer.save_pretrained(self.output)
-        what = "model" if self.options.full else "LoRA adapter"
-        self.say(f"saved the {what} and its tokenizer to {self.output}")
+        full = self.options.full
+        with self._writing(self.output, result_bytes(self.pipe, full)):
+            save_result(self.pipe, self.prepared.tokenizer, self.output, self.main)
+        self.say(f"saved the {result_name(full)} and its tokenizer to {self.output}")
+
+    def _writing(self, path, needed: int):
+        """:func:`~roundpipe.train.disk.writing`, saying where a resumed run would start."""
+        then = "run again"
+        if self.saved_step is not None:
+            then = f"continue with --resume (from the checkpoint of step {self.saved_step})"
+        return writing(path, needed, then)
 
 
 def train(prepared: Prepared, stream: TextIO | None = None, ranks: Ranks | None = None) -> Outcome:
-    """Run ``prepared`` (see :class:`Run`); progress and messages go to ``stream`` (on
-    rank 0 of ``ranks``, the processes of a ``torchrun`` launch)."""
+    """Run ``prepared`` (see :class:`Run`) in its ``--output``, which exists and which
+    this process holds (:func:`roundpipe.train.lock.holding`); progress and messages go
+    to ``stream`` (on rank 0 of ``ranks``, the processes of a ``torchrun`` launch)."""
     return Run(prepared, stream, ranks).train()

@@ -1,17 +1,18 @@
 """Everything ``roundpipe train`` checks and reads before any training: the model
-directory, the tokenizer, the data, the number of steps and the checkpoint to resume.
+directory, the tokenizer, the data and the number of steps (:func:`prepare`, before
+anything is written), then, holding ``--output``, where the run starts
+(:func:`find_start`: the checkpoint to resume, or that the run is finished).
 
 Each problem is a :class:`~roundpipe.train.options.UsageError` naming the file or the
-option, raised before the model is built.
+option, raised before the model is built (docs/design.md#checks-before-training).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from ..hf.safetensors_io import INDEX_FILE, SINGLE_FILE
 from .checkpoints import (
     Found,
     check_compatible,
@@ -19,12 +20,12 @@ from .checkpoints import (
     resumable_checkpoints,
     saved_worlds,
 )
+from .model_checks import check_model
 from .options import TrainOptions, UsageError
 from .ranks import Ranks
+from .result import result_complete
 
 DEFAULT_SEQ_LEN = 1024
-WEIGHT_FILES = (SINGLE_FILE, INDEX_FILE)  # what roundpipe.from_pretrained loads
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
 REQUIRED_PACKAGES = (
     ("transformers", "transformers"),
     ("peft", "peft"),
@@ -43,8 +44,10 @@ class Prepared:
     train_batches: Any  # roundpipe.train.batches.Batches
     eval_batches: Any | None
     total_steps: int
-    resume_from: list[Found]  # newest first; empty for a new run
     notes: list[str]  # what to tell the user before training starts
+    resume_from: list[Found] = field(default_factory=list)  # newest first; [] if new
+    finished: bool = False
+    """The newest checkpoint is at the last step and the result is written: nothing to do."""
 
 
 def check_packages() -> None:
@@ -59,11 +62,20 @@ def check_packages() -> None:
 
 
 def prepare(options: TrainOptions, ranks: Ranks | None = None) -> Prepared:
-    """Read and check everything the run needs; see the module docstring. Under
-    ``torchrun`` every rank checks its own view (data, model, its checkpoint shards) and
-    they agree: a problem on one rank stops every rank with exit code 2."""
+    """Read and check the run's inputs; see the module docstring. Under ``torchrun``
+    every rank checks its own view (data, model) and they agree: a problem on one rank
+    stops every rank with exit code 2."""
     ranks = ranks or Ranks()
-    prepared = ranks.agree(lambda: _prepare(options, ranks), "the checks before training")
+    return ranks.agree(lambda: _prepare(options, ranks), "the checks before training")
+
+
+def find_start(prepared: Prepared, ranks: Ranks | None = None) -> Prepared:
+    """``prepared`` with where it starts in ``--output`` (held by this run): the
+    checkpoints to resume from, and whether the run is finished. Under ``torchrun`` the
+    ranks agree on a checkpoint every rank holds a shard of, and rank 0, which writes
+    the result, says whether it is complete."""
+    ranks = ranks or Ranks()
+    prepared = ranks.agree(lambda: _find_start(prepared, ranks), "the checkpoint search")
     if ranks.world > 1 and prepared.resume_from:
         every = ranks.gather(
             [(found.position.step, found.save_id) for found in prepared.resume_from],
@@ -72,7 +84,12 @@ def prepare(options: TrainOptions, ranks: Ranks | None = None) -> Prepared:
         prepared.resume_from = ranks.agree(
             lambda: _common_checkpoints(prepared, every), "the choice of the checkpoint"
         )
-    return prepared
+    at_the_end = bool(prepared.resume_from) and (
+        prepared.resume_from[0].position.step == prepared.total_steps
+    )
+    options = prepared.options
+    complete = ranks.main and at_the_end and result_complete(options.output, options.full)
+    return replace(prepared, finished=ranks.gather(complete, "the result's check")[0])
 
 
 def _prepare(options: TrainOptions, ranks: Ranks) -> Prepared:
@@ -83,8 +100,9 @@ def _prepare(options: TrainOptions, ranks: Ranks) -> Prepared:
         output=Path(options.output).absolute(),
         eval_data=None if options.eval_data is None else Path(options.eval_data).absolute(),
     )
-    _check_model_files(options.model)
-    max_positions = _max_positions(options.model)
+    _check_resume(options.output, options.resume)
+    config = check_model(options)
+    max_positions = getattr(config, "max_position_embeddings", None)
     options = replace(options, seq_len=_seq_len(options.seq_len, max_positions))
     tokenizer = _tokenizer(options.model)
     notes: list[str] = []
@@ -95,7 +113,17 @@ def _prepare(options: TrainOptions, ranks: Ranks) -> Prepared:
     epochs = options.epochs if options.steps is None else None
     total = options.steps or (epochs or 1) * train_batches.steps_per_epoch
     _check_rows(train_batches, total, ranks.world)
-    resume_from: list[Found] = []
+    return Prepared(options, tokenizer, train_batches, eval_batches, total, notes)
+
+
+def _check_resume(output: Path, resume: bool) -> None:
+    """Before the lock on ``output`` creates it."""
+    if resume and not output.exists():
+        raise UsageError(f"--resume: no checkpoint in {output} (no such directory)")
+
+
+def _find_start(prepared: Prepared, ranks: Ranks) -> Prepared:
+    options, notes = prepared.options, list(prepared.notes)
     earlier = saved_worlds(options.output)
     if earlier and not options.resume:
         if not options.demo:
@@ -105,10 +133,12 @@ def _prepare(options: TrainOptions, ranks: Ranks) -> Prepared:
                 "(or delete it) to start over"
             )
         notes.append("starting the demo over: the checkpoints of the earlier run are removed")
+    resume_from: list[Found] = []
     if options.resume:
-        resume_from = resumable_checkpoints(options.output, options, ranks.shard)
-        _check_resume_step(resume_from[0], total)
-    return Prepared(options, tokenizer, train_batches, eval_batches, total, resume_from, notes)
+        resume_from, damaged = resumable_checkpoints(options.output, options, ranks.shard)
+        notes += [f"warning: {reason}; resuming from an older checkpoint" for reason in damaged]
+        _check_resume_step(resume_from[0], prepared.total_steps)
+    return replace(prepared, resume_from=resume_from, notes=notes)
 
 
 def _check_rows(batches, total: int, world: int) -> None:
@@ -152,34 +182,6 @@ def _common_checkpoints(prepared: Prepared, every: list[list[tuple[int, int]]]) 
         check_compatible(common[0], prepared.options)
         _check_resume_step(common[0], prepared.total_steps)
     return common
-
-
-def _check_model_files(model: Path) -> None:
-    if not model.is_dir():
-        raise UsageError(f"--model {model}: no such directory")
-    if not (model / "config.json").is_file():
-        raise UsageError(f"--model {model}: not a Hugging Face model directory (no config.json)")
-    if not any((model / name).is_file() for name in WEIGHT_FILES):
-        raise UsageError(
-            f"--model {model}: no weights ({', '.join(WEIGHT_FILES)}); the directory has "
-            f"{sorted(p.name for p in model.iterdir())} (a .bin checkpoint: convert it with "
-            "transformers, from_pretrained then save_pretrained)"
-        )
-    if not any((model / name).is_file() for name in TOKENIZER_FILES):
-        raise UsageError(
-            f"--model {model}: no tokenizer (none of {', '.join(TOKENIZER_FILES)}); save it "
-            "beside the model with tokenizer.save_pretrained"
-        )
-
-
-def _max_positions(model: Path) -> int | None:
-    import transformers
-
-    try:
-        config = transformers.AutoConfig.from_pretrained(model)
-    except (OSError, ValueError, KeyError) as error:
-        raise UsageError(f"--model {model}: config.json cannot be read: {error}") from error
-    return getattr(config, "max_position_embeddings", None)
 
 
 def _seq_len(given: int | None, max_positions: int | None) -> int:

@@ -50,15 +50,15 @@ class Ranks:
             return dict(batch)
         return {k: torch.tensor_split(v, self.world)[self.rank] for k, v in batch.items()}
 
-    def any(self, flag: bool, what: str) -> bool:
-        """Whether ``flag`` is set on any rank."""
+    def max(self, value: int, what: str) -> int:
+        """The largest of the ranks' ``value``."""
         if self.world == 1:
-            return bool(flag)
+            return int(value)
         import torch.distributed as dist
 
-        value = torch.tensor([int(bool(flag))], dtype=torch.int64)
-        self._run(what, lambda: dist.all_reduce(value, op=dist.ReduceOp.MAX))
-        return bool(value.item())
+        largest = torch.tensor([int(value)], dtype=torch.int64)
+        self._run(what, lambda: dist.all_reduce(largest, op=dist.ReduceOp.MAX))
+        return int(largest.item())
 
     def sum(self, values: list[float], what: str) -> list[float]:
         """The sums over the ranks of ``values`` (float64)."""

@@ -1,9 +1,10 @@
 """Run RoundPipe on several local processes (gloo), one per simulated node.
 
 ``launch(scenario, world, tmp_path, **params)`` starts ``world`` processes of this
-module; each joins a gloo process group on localhost, runs ``SCENARIOS[scenario]``
-and saves what it returns to ``tmp_path/rank{r}.pt``. Nothing is imported from the
-parent: every rank builds its model and data from seeds, like separate machines.
+module; each joins a gloo process group on localhost, runs the scenario of that name
+(``SCENARIOS`` of ``multinode_scenarios`` or ``multinode_agreement``) and saves what
+it returns to ``tmp_path/rank{r}.pt``. Nothing is imported from the parent: every
+rank builds its model and data from seeds, like separate machines.
 """
 
 from __future__ import annotations
@@ -85,14 +86,15 @@ def _main() -> None:
     spec = json.loads(sys.argv[1])
     import torch.distributed as dist
 
-    from support import multinode_scenarios
+    from support import multinode_agreement, multinode_scenarios
 
     torch.set_num_threads(1)
     timeout = datetime.timedelta(seconds=spec["params"].get("pg_timeout_s", 60))
     dist.init_process_group("gloo", timeout=timeout)
     rank = dist.get_rank()
     try:
-        result = multinode_scenarios.SCENARIOS[spec["scenario"]](rank, **spec["params"])
+        scenarios = {**multinode_scenarios.SCENARIOS, **multinode_agreement.SCENARIOS}
+        result = scenarios[spec["scenario"]](rank, **spec["params"])
         torch.save(result, Path(spec["out"]) / f"rank{rank}.pt")
     finally:
         dist.destroy_process_group()

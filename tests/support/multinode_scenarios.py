@@ -13,6 +13,7 @@ import torch.distributed as dist
 import roundpipe
 from roundpipe import EmulatedOptions, RoundPipe, RoundPipeRunConfig
 from roundpipe.cluster import CommOptions
+from support.multinode_checkpoints import save_killed
 from support.oracle import batch, mlp, mse_sum
 
 
@@ -138,6 +139,21 @@ def uneven(rank: int, **_: object) -> dict:
     return {"error": error, "scaler_error": scaler_error}
 
 
+def parameters_in_step_fn(rank: int, **_: object) -> dict:
+    """``step_fn`` clips over ``pipe.parameters()``: the error it raises."""
+    pipe = RoundPipe(mlp(), devices="emulated:1")
+    x, y = batch(size=12)
+    pipe.forward_backward((rank_share(x, rank, 2),), label=rank_share(y, rank, 2), loss_fn=mse_sum)
+    try:
+        pipe.step(lambda: torch.nn.utils.clip_grad_norm_(pipe.parameters(), 0.5), is_async=False)
+    except RuntimeError as exc:
+        error = str(exc)
+    else:
+        error = None
+    pipe.close()
+    return {"error": error}
+
+
 def overlap(rank: int, *, delay_s: float, kernel_s: float, is_async: bool, steps: int = 5):
     """Time steps with each bucket collective delayed by ``delay_s`` and layers taking
     ``kernel_s`` of modelled device time; the last step's timeline."""
@@ -246,4 +262,12 @@ def resume(rank: int, *, checkpoint: str, phase: str, **_: object) -> dict:
     return {"state": state}
 
 
-SCENARIOS = {"resume": resume, "hf": hf, "train": train, "uneven": uneven, "overlap": overlap}
+SCENARIOS = {
+    "save_killed": save_killed,
+    "resume": resume,
+    "hf": hf,
+    "train": train,
+    "uneven": uneven,
+    "overlap": overlap,
+    "parameters_in_step_fn": parameters_in_step_fn,
+}

@@ -22,17 +22,17 @@ COMMON = ("--seq-len", "32", "--batch-size", "8", "--devices", "emulated:2", "--
 RUN_LIMIT_S = 180
 
 
-def train_process(*args, env: dict | None = None, **popen) -> subprocess.Popen:
+def train_process(*args, env: dict | None = None, wrap=(), **popen) -> subprocess.Popen:
+    """``roundpipe train *args`` in a new process (started through the command ``wrap``
+    if given)."""
     environment = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
-    command = [sys.executable, "-m", "roundpipe", "train", *map(str, args)]
-    return subprocess.Popen(
-        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=environment,
-        cwd=REPO, **popen,
-    )  # fmt: skip
+    command = [*map(str, wrap), sys.executable, "-m", "roundpipe", "train", *map(str, args)]
+    streams = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE}
+    return subprocess.Popen(command, text=True, env=environment, cwd=REPO, **{**streams, **popen})
 
 
-def run_train(*args, env: dict | None = None) -> subprocess.CompletedProcess:
-    process = train_process(*args, env=env)
+def run_train(*args, env: dict | None = None, wrap=()) -> subprocess.CompletedProcess:
+    process = train_process(*args, env=env, wrap=wrap)
     out, err = process.communicate(timeout=RUN_LIMIT_S)
     return subprocess.CompletedProcess(process.args, process.returncode, out, err)
 

@@ -1,0 +1,69 @@
+"""Every tensor a checkpoint holds must be exactly what the model has: the same names,
+shapes and dtypes, from one save; an error names the file, the tensor and both sides."""
+
+from __future__ import annotations
+
+import re
+import shutil
+
+import pytest
+import torch
+from support.checkpoints import mid_training, new_pipe, rewrite, truncate
+
+
+@pytest.fixture
+def saved(tmp_path):
+    path = tmp_path / "ckpt"
+    with new_pipe(0) as pipe:
+        optimizer, scheduler = mid_training(pipe, seed=0)
+        pipe.save_checkpoint(path, optimizer, scheduler)
+    return path
+
+
+@pytest.mark.parametrize(
+    ("file", "key"),
+    [("weights", "param/0.bias"), ("masters", "0.bias"), ("masters", "grad/0.bias")],
+)
+def test_a_tensor_whose_shape_broadcasts_is_refused_naming_file_tensor_and_both_shapes(
+    saved, file, key
+):
+    rewrite(saved / f"{file}.safetensors", lambda t: t.update({key: t[key][:1].clone()}))
+    with new_pipe(5) as pipe, pytest.raises(ValueError) as caught:
+        pipe.load_checkpoint(saved)
+    message = str(caught.value)
+    assert f"{file}.safetensors" in message and key in message, message
+    assert "(1,)" in message and "(16,)" in message, message
+
+
+def test_a_tensor_of_another_dtype_is_refused_naming_both_dtypes(saved):
+    rewrite(
+        saved / "weights.safetensors",
+        lambda t: t.update({"param/0.weight": t["param/0.weight"].half()}),
+    )
+    with new_pipe(5) as pipe, pytest.raises(ValueError) as caught:
+        pipe.load_checkpoint(saved)
+    message = str(caught.value)
+    assert "param/0.weight" in message and "float16" in message and "float32" in message, message
+
+
+def test_a_tensor_the_model_does_not_have_is_refused(saved):
+    rewrite(saved / "weights.safetensors", lambda t: t.update({"buffer/stray": torch.zeros(3)}))
+    with new_pipe(5) as pipe, pytest.raises(ValueError, match="buffer/stray"):
+        pipe.load_checkpoint(saved)
+
+
+def test_a_truncated_file_is_refused_naming_it(saved):
+    truncate(saved / "optimizer.safetensors")
+    with new_pipe(5) as pipe, pytest.raises(ValueError) as caught:
+        optimizer = torch.optim.AdamW(pipe.optim_parameters())
+        pipe.load_checkpoint(saved, optimizer)
+    assert str(saved / "optimizer.safetensors") in str(caught.value)
+
+
+def test_files_of_two_saves_mixed_in_one_directory_are_refused(saved, tmp_path):
+    other = tmp_path / "other"
+    with new_pipe(3) as pipe:
+        pipe.save_checkpoint(other)
+    shutil.copy(other / "masters.safetensors", saved / "masters.safetensors")
+    with new_pipe(5) as pipe, pytest.raises(ValueError, match=re.escape("another save")):
+        pipe.load_checkpoint(saved)

@@ -1,0 +1,89 @@
+"""After a device out-of-memory error the model is usable again: the failed call's
+device memory is all given back (nothing keeps its tensors: not the error's traceback,
+not the failed jobs' records), and a smaller batch then trains exactly as in PyTorch,
+with sync and async steps, whether the error came from a forward stage (raised by the
+call itself) or from a stage that runs after the loss is known (raised later)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from support.oracle import assert_weights_close, batch, train_reference
+from test_device_memory import drained
+from torch import nn
+
+from roundpipe import EmulatedOptions, RoundPipe, RoundPipeRunConfig
+
+WIDTH = 64
+SCRATCH_FLOATS = 4096  # per sample: 16 KiB
+CAPACITY = 160 * 1024  # training on 2-sample microbatches fits (105 KiB), 32 samples do not
+NUM_MICROBATCH = 2
+CONFIG = RoundPipeRunConfig(num_microbatch=NUM_MICROBATCH, execute_plan="1,1|2,1,1")
+
+
+def mse_sum(output, label):
+    return ((output - label) ** 2).sum()
+
+
+class Hungry(nn.Module):
+    """A Linear that takes ``SCRATCH_FLOATS`` of device memory per sample in its forward
+    stage (``phase="forward"``), or only when it runs for a backward (its recompute)."""
+
+    def __init__(self, phase: str) -> None:
+        super().__init__()
+        self.phase = phase
+        self.proj = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x):
+        if self.phase == "forward" or torch.is_grad_enabled():
+            torch.zeros(len(x), SCRATCH_FLOATS)
+        return self.proj(x)
+
+
+def model_hungry_in(phase: str) -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(Hungry(phase), *[nn.Linear(WIDTH, WIDTH) for _ in range(3)])
+
+
+def batches(seeds, size: int):
+    return [batch(seed=seed, size=size, inputs=WIDTH, outputs=WIDTH) for seed in seeds]
+
+
+def emulated_pipe(module: nn.Module) -> RoundPipe:
+    options = EmulatedOptions(capacity_bytes=CAPACITY, count_compute_memory=True)
+    return RoundPipe(
+        module, devices="emulated:2", model_run_config=CONFIG, emulated_options=options
+    )
+
+
+def sgd(params):
+    return torch.optim.SGD(params, lr=0.01)
+
+
+@pytest.mark.parametrize("is_async", [False, True], ids=["sync", "async"])
+@pytest.mark.parametrize("phase", ["forward", "backward"])
+def test_after_out_of_memory_a_smaller_batch_trains_like_pytorch(phase, is_async, no_hang):
+    module = model_hungry_in(phase)
+    small = batches([1, 2, 3], size=4)
+    # the failed call leaves no trace: PyTorch trains on the small batches only
+    expected, losses = train_reference(module, small, NUM_MICROBATCH, sgd, stale=is_async)
+    with emulated_pipe(module) as pipe:
+        optimizer = sgd(pipe.optim_parameters())
+
+        def step() -> None:
+            pipe.step(lambda: (optimizer.step(), optimizer.zero_grad()), is_async=is_async)
+
+        x, y = batches([0], size=64)[0]
+        with pytest.raises(torch.OutOfMemoryError):
+            no_hang(pipe.forward_backward, (x,), label=y, loss_fn=mse_sum)
+            no_hang(step)
+            no_hang(pipe.synchronize)
+        assert [drained(device) for device in pipe.pool] == [0, 0]
+
+        got = []
+        for x, y in small:
+            got.append(float(no_hang(pipe.forward_backward, (x,), label=y, loss_fn=mse_sum)))
+            no_hang(step)
+        no_hang(pipe.synchronize)
+    assert got == pytest.approx(losses, rel=1e-5)
+    assert_weights_close(module, expected)
