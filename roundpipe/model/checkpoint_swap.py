@@ -14,6 +14,7 @@ import fcntl
 import os
 import shutil
 import socket
+import stat
 import tempfile
 import warnings
 from collections.abc import Iterator
@@ -39,14 +40,26 @@ def held_ids(path: Path) -> tuple[int, int]:
 
 
 def check_replaceable(path: Path) -> None:
-    """Refuse to save to ``path`` where that would delete something not ours."""
+    """Refuse to save to ``path`` where that would delete something not ours (under the
+    lock: other savers change what is there only while holding it)."""
+    if not path.parent.is_dir():
+        return  # nothing there yet
+    with _locked(path):
+        _check_replaceable(path)
+
+
+def _check_replaceable(path: Path) -> None:
     for place in (path, old(path)):
-        if place.is_symlink() or (place.exists() and not place.is_dir()):
+        try:
+            mode = os.lstat(place).st_mode
+        except FileNotFoundError:
+            continue  # nothing there (or another saver just removed it)
+        if not stat.S_ISDIR(mode):
             raise FileExistsError(
                 f"save_checkpoint: {place} exists and is not a directory; a checkpoint "
                 "is a directory that would replace it: save to another path"
             )
-        if place.is_dir() and not _ours(place):
+        if not _ours(place):
             raise FileExistsError(_foreign(place))
 
 
@@ -117,9 +130,16 @@ def _id(directory: Path) -> int:
 
 def _ours(directory: Path) -> bool:
     """A directory of checkpoint files only, with the state of a RoundPipe checkpoint or
-    none (a removal cut short; an empty directory): replacing it loses nothing."""
-    entries = set(os.listdir(directory))
-    return entries <= files.NAMES and ("state.json" not in entries or _id(directory) != 0)
+    none (a removal cut short; an empty directory): replacing it loses nothing. Checked
+    outside the lock it may be going away under another saver: what vanished while it
+    was looked at was ours."""
+    try:
+        entries = set(os.listdir(directory))
+    except FileNotFoundError:
+        return True
+    if not entries <= files.NAMES or "state.json" not in entries:
+        return entries <= files.NAMES
+    return _id(directory) != 0 or not (directory / "state.json").exists()
 
 
 def _foreign(directory: Path) -> str:
