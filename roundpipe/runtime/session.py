@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import NoReturn
 
+from ..core.schedule import Job
 from ..devices.base import DevicePool
 from ..errors import RoundPipeError
 from . import failures, interrupts, lifetime
@@ -176,19 +177,15 @@ class Session:
 
     def issue(self, call: Call, loss_scale: float | None, owned_buffers: list) -> None:
         """Record ``call`` in flight, then hand its first jobs to the workers."""
-        ledger = self.ledger
-        since_step = ledger.since_step if call.forward_only else (*ledger.since_step, call)
         self._ledger.change(
             lambda now: replace(
                 now.with_state(call, phase=ISSUING, owned_buffers=tuple(owned_buffers)),
-                in_flight=(*ledger.in_flight, call),
-                since_step=since_step,
+                in_flight=(*now.in_flight, call),
+                since_step=now.since_step if call.forward_only else (*now.since_step, call),
                 next_seq=call.seq + 1,
             )
         )
-        for job in call.first_jobs:
-            self.workers[job.device].submit(call, job, loss_scale)
-        self._set_state(call, phase=RUNNING)
+        self._dispatch(call, call.first_jobs, loss_scale)
 
     def issue_backward(self, call: Call, loss_scale: float | None) -> None:
         """Dispatch the backward jobs of a deferred call (a ``model(x)`` output's
@@ -197,14 +194,18 @@ class Session:
             raise_second_backward()
         jobs = call.schedule.backward_jobs
         call.latch.add(job.index for job in jobs)
-        ledger = self.ledger
         self._ledger.change(
             lambda now: replace(
                 now.with_state(call, phase=ISSUING),
-                in_flight=_with(ledger.in_flight, call),
-                since_step=_with(ledger.since_step, call),
+                in_flight=_with(now.in_flight, call),
+                since_step=_with(now.since_step, call),
             )
         )
+        self._dispatch(call, jobs, loss_scale)
+
+    def _dispatch(self, call: Call, jobs: tuple[Job, ...], loss_scale: float | None) -> None:
+        """Hand ``jobs`` of a call recorded as issuing to their workers, then record it
+        running (cut short, :meth:`repair` cancels the rest)."""
         for job in jobs:
             self.workers[job.device].submit(call, job, loss_scale)
         self._set_state(call, phase=RUNNING)
