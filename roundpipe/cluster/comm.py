@@ -13,6 +13,7 @@ group's timeout at the latest (docs/design.md#several-nodes).
 from __future__ import annotations
 
 import datetime
+import sys
 import time
 from collections.abc import Callable
 
@@ -83,7 +84,8 @@ class Comm:
     def _gather(self, values: list, dtype: torch.dtype, what: str) -> list[list]:
         mine = torch.tensor(values, dtype=dtype)
         out = torch.empty(self.world * len(values), dtype=dtype)
-        self._exchange(self._caller, what, mine, lambda: _all_gather(out, mine, group=self._caller))
+        gather = lambda: _all_gather(out, mine, group=self._caller)  # noqa: E731
+        self._exchange(self._caller, what, gather, mine, out)
         return out.view(self.world, len(values)).tolist()
 
     # -- the optimizer thread -----------------------------------------------------------
@@ -92,12 +94,12 @@ class Comm:
         """Every rank's int32 ``values``, one row per rank."""
         out = torch.empty(self.world * values.numel(), dtype=values.dtype)
         gather = lambda: _all_gather(out, values, group=self._optimizer)  # noqa: E731
-        self._exchange(self._optimizer, what, values, gather)
+        self._exchange(self._optimizer, what, gather, values, out)
         return out.view(self.world, -1)
 
     def all_reduce(self, tensor: torch.Tensor, what: str, op=dist.ReduceOp.SUM) -> None:
         reduce = lambda: dist.all_reduce(tensor, op=op, group=self._optimizer)  # noqa: E731
-        self._exchange(self._optimizer, what, tensor, reduce)
+        self._exchange(self._optimizer, what, reduce, tensor)
 
     def reduce_scatter(self, out: torch.Tensor, flat: torch.Tensor, what: str) -> None:
         """``out`` = this rank's segment of the sum over ranks of ``flat``."""
@@ -129,7 +131,7 @@ class Comm:
     def _in_place(self, collective, tensor: torch.Tensor) -> None:
         """``collective(tensor)`` in place, on a device copy of it with NCCL."""
         if self._staging is None:
-            collective(tensor)
+            released(lambda: collective(tensor), tensor)
             return
         staged = tensor.to(self._staging)
         collective(staged)
@@ -138,7 +140,7 @@ class Comm:
     def _staged(self, collective, out: torch.Tensor, source: torch.Tensor) -> None:
         """``collective(out, source)`` on host tensors, or on device copies (NCCL)."""
         if self._staging is None:
-            collective(out, source)
+            released(lambda: collective(out, source), out, source)
             return
         device_out = torch.empty(out.shape, dtype=out.dtype, device=self._staging)
         collective(device_out, source.to(self._staging))
@@ -164,19 +166,20 @@ class Comm:
         if self.spans is not None:
             self.spans.append((what, start, time.perf_counter()))
 
-    def _exchange(self, group, what: str, payload: torch.Tensor, collective) -> None:
-        """``collective`` (of ``payload`` on ``group``), once every rank's header says it
-        is at the same collective with as much data; else every rank raises here, since
-        every rank sees every header (docs/design.md#several-nodes)."""
+    def _exchange(self, group, what: str, collective, payload: torch.Tensor, *more) -> None:
+        """``collective`` (of ``payload`` and ``more`` tensors, on the gloo ``group``), once
+        every rank's header says it is at the same collective with as much data; else
+        every rank raises here, since every rank sees every header
+        (docs/design.md#several-nodes)."""
 
         def checked() -> None:
-            mine = f"{payload.numel()} x {payload.dtype}\n{_label(what)}"
+            header = _header(f"{payload.numel()} x {payload.dtype}\n{_label(what)}")
             out = torch.empty(self.world * HEADER_BYTES, dtype=torch.uint8)
-            _all_gather(out, _header(mine), group=group)
+            released(lambda: _all_gather(out, header, group=group), out, header)
             headers = [_text(row) for row in out.view(self.world, -1)]
             if len(set(headers)) > 1:
                 raise self._out_of_step(headers)
-            collective()
+            released(collective, payload, *more)
 
         self._run(what, checked)
 
@@ -207,6 +210,30 @@ class Comm:
             failure = peer_failure(label, self.rank, self._global_ranks, exc)
             self.broken = f"{label}: {failure.cause}"
             raise failure from exc
+
+
+RELEASE_WAIT_S = 1.0
+"""How long :func:`released` waits at most for gloo to let go of a collective's tensors."""
+
+
+def released(collective: Callable[[], object], *tensors: torch.Tensor) -> None:
+    """Run the gloo ``collective`` of ``tensors``, and return once gloo holds none of them.
+
+    A gloo worker thread drops its references to a collective's tensors just after the
+    collective returns, and must take the GIL to do so; a process that exits in between
+    aborts ("terminate called without an active exception": a thread that asks for the
+    GIL during interpreter shutdown is ended inside C++). So wait, yielding the GIL,
+    until the tensors' reference counts are back to what they were (a second at most:
+    never a hang, at worst the old race)."""
+    before = _references(tensors)
+    collective()
+    deadline = time.monotonic() + RELEASE_WAIT_S
+    while _references(tensors) > before and time.monotonic() < deadline:
+        time.sleep(0)  # lets the worker thread take the GIL
+
+
+def _references(tensors: tuple[torch.Tensor, ...]) -> int:
+    return sum(sys.getrefcount(tensor) for tensor in tensors)
 
 
 def _label(what: str) -> str:

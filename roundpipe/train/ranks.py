@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 import torch
 
 from ..cluster import PeerFailure
-from ..cluster.comm import peer_failure
+from ..cluster.comm import peer_failure, released
 from .options import UsageError
 
 LAUNCH_HINT = "torchrun --nnodes K --nproc-per-node 1 ... -m roundpipe train ..."
@@ -57,7 +57,8 @@ class Ranks:
         import torch.distributed as dist
 
         largest = torch.tensor([int(value)], dtype=torch.int64)
-        self._run(what, lambda: dist.all_reduce(largest, op=dist.ReduceOp.MAX))
+        reduce = lambda: dist.all_reduce(largest, op=dist.ReduceOp.MAX)  # noqa: E731
+        self._run(what, lambda: released(reduce, largest))
         return int(largest.item())
 
     def sum(self, values: list[float], what: str) -> list[float]:
@@ -67,7 +68,7 @@ class Ranks:
         import torch.distributed as dist
 
         total = torch.tensor(values, dtype=torch.float64)
-        self._run(what, lambda: dist.all_reduce(total))
+        self._run(what, lambda: released(lambda: dist.all_reduce(total), total))
         return total.tolist()
 
     def gather(self, value: Any, what: str) -> list[Any]:
