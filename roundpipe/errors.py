@@ -15,6 +15,16 @@ _OOM_ADVICE = (
 
 _BYTE_UNITS = ("KiB", "MiB", "GiB", "TiB", "PiB")
 
+DISTRIBUTION = "roundpipe-ft"
+"""Our name on the package index: ``roundpipe`` there is the RoundPipe paper authors'
+library, another API, which installs the same ``roundpipe`` import package."""
+
+
+def install_hint(extra: str) -> str:
+    """How to install the optional packages of ``extra``, from the package index or from a
+    checkout: every "needs X" message ends with it."""
+    return f"pip install '{DISTRIBUTION}[{extra}]' (from a checkout: pip install -e '.[{extra}]')"
+
 
 def format_bytes(nbytes: float) -> str:
     """``nbytes`` for people: ``"576 B"``, ``"1.50 KiB"``, ``"118 MiB"`` (3 significant digits).

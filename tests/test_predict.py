@@ -186,4 +186,4 @@ def test_gantt_without_matplotlib_names_the_extra(monkeypatch, capsys, tmp_path)
     with pytest.raises(SystemExit) as exit_info:
         main(["simulate", "--layers", "4", "--gantt", str(tmp_path / "g.png")])
     assert exit_info.value.code == 2
-    assert "pip install 'roundpipe[plot]'" in capsys.readouterr().err
+    assert "pip install 'roundpipe-ft[plot]'" in capsys.readouterr().err

@@ -144,7 +144,10 @@ def test_a_missing_dependency_is_named_with_the_install_command(train_files, cap
     )
     err = usage_error(capsys, "--model", train_files["model"], "--data", train_files["text"],
                       "--output", train_files["root"] / "unused")  # fmt: skip
-    assert "needs peft" in err and "pip install 'roundpipe[train]'" in err
+    assert (
+        "needs peft" in err
+        and "pip install 'roundpipe-ft[train]' (from a checkout: pip install -e '.[train]')" in err
+    )
 
 
 def test_several_processes_without_torchruns_variables_exit_2(

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from ..core.plan import Plan, PlanError
+from ..errors import install_hint
 from ..planning.partition import auto_plan
 from ..planning.sim.baselines import BASELINES, simulate_baseline
 from ..planning.sim.costs import CostModel, LayerCosts
@@ -302,7 +303,7 @@ def _validate(args: argparse.Namespace) -> None:
         try:
             import matplotlib  # noqa: F401
         except ImportError:
-            raise ValueError("--gantt needs matplotlib: pip install 'roundpipe[plot]'") from None
+            raise ValueError(f"--gantt needs matplotlib: {install_hint('plot')}") from None
 
 
 def _print_result(result: SimResult, as_json: bool) -> None:

@@ -57,14 +57,39 @@ _IO, _LORA, _RUN, _LENGTH, _OPTIM, _SAVE = (
 )
 
 OPTIONS: tuple[Option, ...] = (
-    Option("model", Path, None, "a local Hugging Face model directory", _IO),
-    Option("data", Path, None, "training data, JSONL (text, prompt+completion or messages)", _IO),
+    Option(
+        "model", str, None, "a Hugging Face model: a local directory or a hub id (org/name)", _IO
+    ),
+    Option("revision", str, None, "the hub revision of --model: branch, tag or commit", _IO),
+    Option(
+        "data",
+        str,
+        None,
+        "training data: JSONL, JSON, Parquet or CSV files, a datasets save_to_disk "
+        "directory or a hub dataset id; several comma-separated",
+        _IO,
+    ),
+    Option("data-split", str, "train", "the split of a hub or save_to_disk dataset", _IO),
+    Option(
+        "data-fields",
+        str,
+        None,
+        "columns under other names: prompt=question,completion=answer",
+        _IO,
+    ),
     Option("output", Path, None, "where the result, checkpoints and metrics go", _IO),
     Option(
         "eval-data",
-        Path,
+        str,
         None,
-        "held-out JSONL: its mean token loss is logged at the end (see --eval-every)",
+        "held-out data (as --data): its mean token loss is logged (see --eval-every)",
+        _IO,
+    ),
+    Option(
+        "eval-split",
+        float,
+        None,
+        "hold out this fraction of --data for evaluation, drawn with --seed",
         _IO,
     ),
     Option("config", Path, None, "a YAML file of these options (flags given here win)", _IO),
@@ -80,6 +105,13 @@ OPTIONS: tuple[Option, ...] = (
         _LORA,
     ),
     Option("lora-dropout", float, 0.0, "dropout on the adapters' input", _LORA),
+    Option(
+        "train-on-prompt",
+        None,
+        False,
+        "also train on prompts and user turns (default: completions and assistant turns)",
+        _LORA,
+    ),
     Option("devices", str, None, "'cuda', 'cuda:0,1' or 'emulated:N' (default: cuda if any)", _RUN),
     Option(
         "precision",
@@ -118,6 +150,13 @@ OPTIONS: tuple[Option, ...] = (
     Option("seed", int, 0, "seed of the data order and the adapters' initialisation", _LENGTH),
     Option("lr", float, 2e-4, "peak learning rate (AdamW)", _OPTIM),
     Option("warmup-steps", int, 0, "steps of linear warm-up to --lr", _OPTIM),
+    Option(
+        "warmup-ratio",
+        float,
+        None,
+        "warm up over this fraction of the steps (--warmup-steps wins when given)",
+        _OPTIM,
+    ),
     Option("schedule", str, "cosine", "decay to 0 after warm-up, or constant", _OPTIM, SCHEDULES),
     Option("grad-clip", float, 1.0, "clip the gradients' global norm (0: off)", _OPTIM),
     Option("weight-decay", float, 0.0, "AdamW weight decay", _OPTIM),
@@ -125,10 +164,27 @@ OPTIONS: tuple[Option, ...] = (
     Option("save-every", int, None, "checkpoint every N steps (default: at the end)", _SAVE),
     Option("keep-checkpoints", int, 2, "how many checkpoints/step-N to keep", _SAVE),
     Option("resume", None, False, "continue from the newest checkpoint in --output", _SAVE),
+    Option(
+        "save-dtype",
+        str,
+        None,
+        "dtype of the saved full model (default: the base model's)",
+        _SAVE,
+        PRECISIONS,
+    ),
+    Option(
+        "report-to",
+        str,
+        "none",
+        "log the metrics to tensorboard, wandb, trackio (comma list) or none",
+        _SAVE,
+    ),
 )
 _BY_KEY = {option.key: option for option in OPTIONS}
 _METAVARS = {
-    "model": "DIR", "data": "FILE", "output": "DIR", "eval_data": "FILE", "config": "FILE",
+    "model": "DIR|ID", "revision": "REV", "data": "SOURCES", "data_split": "SPLIT",
+    "data_fields": "MAP", "output": "DIR", "eval_data": "SOURCES", "eval_split": "FRACTION",
+    "config": "FILE", "warmup_ratio": "RATIO", "report_to": "NAMES",
     "lora_r": "R", "lora_alpha": "ALPHA", "lora_targets": "NAMES", "lora_dropout": "P",
     "devices": "SPEC", "microbatches": "M", "dist_timeout": "SECONDS", "steps": "N",
     "epochs": "E", "batch_size": "B",
@@ -141,10 +197,14 @@ _METAVARS = {
 class TrainOptions:
     """The options of one run (``None``: not given; :func:`resolve` fills what it can)."""
 
-    model: Path | None
-    data: Path | None
+    model: str | None
+    revision: str | None
+    data: str | None
+    data_split: str
+    data_fields: str | None
     output: Path | None
-    eval_data: Path | None
+    eval_data: str | None
+    eval_split: float | None
     config: Path | None
     demo: bool
     full: bool
@@ -152,6 +212,7 @@ class TrainOptions:
     lora_alpha: float
     lora_targets: str
     lora_dropout: float
+    train_on_prompt: bool
     devices: str | None
     precision: str | None
     sync: bool
@@ -165,6 +226,7 @@ class TrainOptions:
     seed: int
     lr: float
     warmup_steps: int
+    warmup_ratio: float | None
     schedule: str
     grad_clip: float
     weight_decay: float
@@ -172,6 +234,8 @@ class TrainOptions:
     save_every: int | None
     keep_checkpoints: int
     resume: bool
+    save_dtype: str | None
+    report_to: str
 
     def lora_target_modules(self) -> str | list[str]:
         """``--lora-targets`` as peft's ``target_modules``."""

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from ..errors import install_hint
 from .checkpoints import (
     Found,
     check_compatible,
@@ -57,7 +58,7 @@ def check_packages() -> None:
     missing = [pip for module, pip in REQUIRED_PACKAGES if importlib.util.find_spec(module) is None]
     if missing:
         raise UsageError(
-            f"roundpipe train needs {', '.join(missing)}: pip install 'roundpipe[train]'"
+            f"roundpipe train needs {', '.join(missing)}: {install_hint('train')}"
         )
 
 
