@@ -67,3 +67,25 @@ def test_files_of_two_saves_mixed_in_one_directory_are_refused(saved, tmp_path):
     shutil.copy(other / "masters.safetensors", saved / "masters.safetensors")
     with new_pipe(5) as pipe, pytest.raises(ValueError, match=re.escape("another save")):
         pipe.load_checkpoint(saved)
+
+
+def test_a_missing_optimizer_state_tensor_is_refused_before_anything_changes(saved):
+    rewrite(saved / "optimizer.safetensors", lambda t: t.pop("1/exp_avg_sq"))
+    with new_pipe(5) as pipe:
+        optimizer = torch.optim.AdamW(pipe.optim_parameters())
+        before = {k: v.clone() for k, v in pipe.state_dict().items()}
+        with pytest.raises(ValueError) as caught:
+            pipe.load_checkpoint(saved, optimizer)
+        assert all(torch.equal(v, pipe.state_dict()[k]) for k, v in before.items())
+        assert optimizer.state_dict()["state"] == {}
+    message = str(caught.value)
+    assert "optimizer.safetensors" in message and "1/exp_avg_sq" in message, message
+
+
+def test_an_optimizer_whose_parameters_come_in_another_order_is_refused(saved):
+    with new_pipe(5) as pipe:
+        optimizer = torch.optim.AdamW(list(pipe.optim_parameters())[::-1])
+        with pytest.raises(ValueError) as caught:
+            pipe.load_checkpoint(saved, optimizer)
+    message = str(caught.value)
+    assert "exp_avg" in message and "same order" in message, message

@@ -20,6 +20,8 @@ from typing import Any
 
 import torch
 
+from . import checkpoint_optimizer as optimizer_part
+
 FORMAT = 1
 TENSOR_FILES = ("weights", "masters", "rng", "optimizer")
 NAMES = frozenset({f"{name}.safetensors" for name in TENSOR_FILES} | {"state.json"})
@@ -47,7 +49,9 @@ class Staged:
     objects: dict[str, dict]  # "optimizer", "lr_scheduler", "grad_scaler": state dicts
 
 
-def contents(store, pool, buffers, optimizer, lr_scheduler, grad_scaler, extra, save_id, shard):
+def contents(
+    store, pool, buffers, seeds, optimizer, lr_scheduler, grad_scaler, extra, save_id, shard
+):
     """Everything a save writes; raises before anything is written if ``extra`` or a
     state dict is not JSON data."""
     state: dict[str, Any] = {"format": FORMAT, "parameters": _names(store), "extra": extra}
@@ -55,13 +59,13 @@ def contents(store, pool, buffers, optimizer, lr_scheduler, grad_scaler, extra, 
         state["save_id"] = save_id
     else:
         state["shard"] = {**shard, "save_id": save_id}
-    tensors = {"weights": _weights(store, buffers), "masters": {}, "rng": _rng(pool)}
+    tensors = {"weights": _weights(store, buffers), "masters": {}, "rng": _rng(pool, seeds)}
     for name, master in store.masters():
         tensors["masters"][name] = master.detach()
         if master.grad is not None:
             tensors["masters"][f"grad/{name}"] = master.grad
     if optimizer is not None:
-        tensors["optimizer"], state["optimizer"] = _split_optimizer(optimizer.state_dict())
+        tensors["optimizer"], state["optimizer"] = optimizer_part.split(optimizer)
     if lr_scheduler is not None:
         state["lr_scheduler"] = lr_scheduler.state_dict()
     if grad_scaler is not None:
@@ -124,7 +128,9 @@ def saved_id(state: dict) -> int:
     return int((state.get("shard") or state).get("save_id", UNNUMBERED))
 
 
-def read(directory, save_id, shard, store, pool, buffers, optimizer, lr_scheduler, grad_scaler):
+def read(
+    directory, save_id, shard, store, pool, buffers, seeds, optimizer, lr_scheduler, grad_scaler
+):
     """Read checkpoint ``directory`` (of save ``save_id``) and check it fits the model
     and the given optimizer, scheduler and scaler; raises (naming the file, the tensor,
     both sides) before anything changes."""
@@ -166,12 +172,12 @@ def read(directory, save_id, shard, store, pool, buffers, optimizer, lr_schedule
     masters = dict(store.masters())
     grads = {f"grad/{name}": master for name, master in masters.items()}
     _check(directory / "masters.safetensors", tensors["masters"], masters, grads)
-    here = _rng(pool)  # only the devices this pool has: another machine's pool may differ
+    here = _rng(pool, seeds)  # only the devices this pool has: another machine's pool may differ
     rng = {k: v for k, v in tensors["rng"].items() if k in here or not k.startswith("device/")}
     _check(directory / "rng.safetensors", rng, {"cpu": here["cpu"]}, here)
     if optimizer is not None:
         path = directory / "optimizer.safetensors"
-        objects["optimizer"] = _optimizer_state(
+        objects["optimizer"] = optimizer_part.staged(
             path, _read_tensors(path, save_id), objects["optimizer"], optimizer
         )
     return Staged(state.get("extra"), tensors["weights"], tensors["masters"], rng, objects)
@@ -199,7 +205,7 @@ def load_objects(staged: Staged, **objects) -> Callable[[], None]:
     return undo
 
 
-def put(staged: Staged, store, pool, buffers) -> None:
+def put(staged: Staged, store, pool, buffers, seeds) -> None:
     """Copy the checked weights, buffers and RNG states of ``staged`` in (shapes and
     dtypes were checked, so nothing can fail half-way)."""
     with torch.no_grad():
@@ -209,6 +215,8 @@ def put(staged: Staged, store, pool, buffers) -> None:
         for name, buffer in buffers:
             buffer.copy_(staged.weights[f"buffer/{name}"])
     torch.set_rng_state(staged.rng["cpu"])
+    if "seeds" in staged.rng:  # absent from checkpoints saved before seeds were
+        seeds.load(staged.rng["seeds"])
     for i, device in enumerate(pool):
         if f"device/{i}" in staged.rng:
             device.set_rng_state(staged.rng[f"device/{i}"])
@@ -238,8 +246,10 @@ def _weights(store, buffers) -> dict[str, torch.Tensor]:
     return weights
 
 
-def _rng(pool) -> dict[str, torch.Tensor]:
-    rng = {"cpu": torch.get_rng_state()}
+def _rng(pool, seeds) -> dict[str, torch.Tensor]:
+    """The generators' states, and the model's seed and call count its layers' random
+    numbers derive from (docs/design.md#random-numbers)."""
+    rng = {"cpu": torch.get_rng_state(), "seeds": seeds.state()}
     for i, device in enumerate(pool):
         if device.torch_device.type != "cpu":
             rng[f"device/{i}"] = device.get_rng_state()
@@ -336,40 +346,3 @@ def _read_tensors(path: Path, save_id: int) -> dict[str, torch.Tensor]:
             "(files of two checkpoints mixed): load an earlier checkpoint"
         )
     return tensors
-
-
-# -- the optimizer -------------------------------------------------------------------------
-
-
-def _split_optimizer(state: dict) -> tuple[dict[str, torch.Tensor], dict]:
-    tensors: dict[str, torch.Tensor] = {}
-    scalars: dict[str, dict[str, Any]] = {}
-    for index, values in state["state"].items():
-        for key, value in values.items():
-            if isinstance(value, torch.Tensor):
-                tensors[f"{index}/{key}"] = value
-            else:
-                scalars.setdefault(str(index), {})[key] = value
-    return tensors, {"param_groups": state["param_groups"], "scalars": scalars}
-
-
-def _optimizer_state(path: Path, tensors: dict, rest: dict, optimizer) -> dict:
-    """The optimizer state dict of the checkpoint, checked as ``load_state_dict`` checks
-    it (the same groups, of the same sizes), before anything is loaded."""
-    try:
-        state: dict[int, dict[str, Any]] = {}
-        for key, value in tensors.items():
-            index, name = key.split("/", 1)
-            state.setdefault(int(index), {})[name] = value
-        for index, values in rest["scalars"].items():
-            state.setdefault(int(index), {}).update(values)
-        saved = [len(group["params"]) for group in rest["param_groups"]]
-    except (KeyError, ValueError, TypeError, AttributeError) as error:
-        raise ValueError(f"{path}: the optimizer state is damaged ({error!r})") from error
-    here = [len(group["params"]) for group in optimizer.param_groups]
-    if saved != here:
-        raise ValueError(
-            f"{path}: the optimizer was saved with parameter groups of {saved} parameters, "
-            f"this one has {here}: pass an optimizer built as the saved one was"
-        )
-    return {"state": state, "param_groups": rest["param_groups"]}
