@@ -252,6 +252,7 @@ def child_result(stdout: str, stderr: str, killed: str, what: str) -> dict:
     return json.loads(lines[-1])
 
 
+@pytest.mark.slow  # 19 s
 def test_loading_a_1_5_gb_checkpoint_stays_within_its_host_memory_bounds(tmp_path):
     """Full model: peak RSS ≤ 1.15 × weights + 1 GB (the imports take ~0.4 GB); the fp32
     masters RoundPipe makes by design on first use are separate tensors (``ensure_masters``

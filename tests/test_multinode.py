@@ -113,7 +113,12 @@ def test_a_call_failing_on_one_rank_raises_on_every_rank_and_training_goes_on(tm
 
 @pytest.mark.parametrize(
     "die_in, is_async, timeout_s",
-    [("call", False, 20), ("step", False, 20), ("step", True, 20), ("hang", False, None)],
+    [
+        ("call", False, 20),
+        ("step", False, 20),
+        ("step", True, 20),
+        pytest.param("hang", False, None, marks=pytest.mark.slow),  # 30 s
+    ],
 )
 def test_a_rank_that_dies_makes_the_others_raise_within_the_timeout(
     tmp_path, die_in, is_async, timeout_s
@@ -141,6 +146,7 @@ def test_a_rank_that_dies_makes_the_others_raise_within_the_timeout(
         assert "<<killed: timeout>>" not in output
 
 
+@pytest.mark.slow  # 31 s
 def test_communication_overlaps_the_backward_and_the_next_iteration(tmp_path):
     """Each bucket collective (two per tensor and step) is delayed by 20 ms. Asynchronous
     steps hide most of it behind the next iteration; in a synchronous step the timeline

@@ -194,7 +194,7 @@ def test_bad_input_on_one_rank_stops_every_rank_with_exit_2(files, tmp_path):
     assert not (tmp_path / "rank0" / "metrics.jsonl").exists()
 
 
-@pytest.mark.parametrize("lost", ["SIGKILL", "SIGSTOP"])
+@pytest.mark.parametrize("lost", ["SIGKILL", pytest.param("SIGSTOP", marks=pytest.mark.slow)])
 def test_a_lost_rank_makes_the_other_exit_nonzero_within_the_timeout(files, tmp_path, lost):
     """Rank 1 killed (its connections close) or hung (they stay open: the timeout)."""
     timeout_s = 15
