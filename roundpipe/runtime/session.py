@@ -9,22 +9,20 @@ any line leaves a model that the next call can use (docs/design.md#calls-and-ses
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import functools
-import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import replace
 from typing import NoReturn
 
 from ..core.schedule import Job
 from ..devices.base import DevicePool
 from ..errors import RoundPipeError
-from . import failures, interrupts, lifetime
+from . import failures, lifetime
 from .call import Call
+from .driving import Driving
 from .inputs import HostBufferPool
 from .layers import LayerBinding
 from .ledger import INTERRUPTED, ISSUING, RETURNED, RUNNING, CallState, Ledger, LedgerCell, StepTask
-from .operation import OPERATION
 from .optimizer import NodeSteps, OptimizerThread
 from .params import ParameterStore
 from .profiler import LayerProfiler
@@ -119,9 +117,9 @@ class Session:
 
     # -- who may drive the model ---------------------------------------------------------
 
-    def enter(self, what: str) -> _Driving:
+    def enter(self, what: str) -> Driving:
         """Context for a public method: one driving thread, never from inside ``step_fn``."""
-        return _Driving(self, what)
+        return Driving(self, what)
 
     def check_open(self) -> None:
         if self.closed:
@@ -321,75 +319,6 @@ class Session:
             self.pool.close()
         self.closed = True
         lifetime.live_sessions().discard(self)
-
-
-class _Driving:
-    """Entered by every public method (re-entrant on the driving thread).
-
-    Ownership is claimed with one atomic ``dict.setdefault`` rather than a lock, so an
-    interrupt between entering and leaving can never leave a lock held; a driving
-    thread that died without leaving is replaced. Inside, Ctrl-C is deferred to the
-    waits and to the exit (:mod:`.interrupts`); one that arrives after the method's
-    work was done still raises, and the calls it issued then count as interrupted.
-    """
-
-    def __init__(self, session: Session, what: str) -> None:
-        self.session = session
-        self.what = what
-        self.deferring = False
-        self.first_seq = 0
-        self.naming: contextvars.Token | None = None
-
-    def __enter__(self) -> Session:
-        session = self.session
-        if session.optimizer.is_current():
-            raise RuntimeError(
-                f"{self.what} was called from inside a step_fn (the optimizer thread), "
-                "where it would wait for the step itself; call it after step() instead"
-            )
-        if threading.current_thread().name.startswith("roundpipe-"):
-            raise RuntimeError(
-                f"{self.what} was called from a roundpipe thread (inside a layer, loss_fn "
-                "or hook that runs as part of a call), where it would wait for its own "
-                "work; drive the model from your own thread"
-            )
-        self.deferring = interrupts.defer()  # first: no Ctrl-C between claim and release
-        try:
-            self._claim(session)
-        except BaseException:
-            self._undefer()
-            raise
-        self.first_seq = session.ledger.next_seq
-        if OPERATION.get() is None:
-            self.naming = OPERATION.set(self.what)
-        return session
-
-    def _claim(self, session: Session) -> None:
-        me = threading.current_thread()
-        owner = session.driver.setdefault("thread", me)
-        if owner is not me and not owner.is_alive():
-            session.driver["thread"] = owner = me
-        if owner is not me:
-            raise RuntimeError(
-                f"{self.what} was called from a second thread while another thread is "
-                "driving this RoundPipe model; drive a model from one thread at a time"
-            )
-        session.driver["depth"] = session.driver.get("depth", 0) + 1
-
-    def _undefer(self) -> Callable[[], None] | None:
-        return interrupts.undefer() if self.deferring else None
-
-    def __exit__(self, exc_type, exc, traceback) -> None:
-        if self.naming is not None:
-            OPERATION.reset(self.naming)
-        driver = self.session.driver
-        driver["depth"] -= 1
-        if driver["depth"] <= 0:
-            driver.pop("thread", None)
-        deliver = self._undefer()
-        if deliver is not None and exc_type is None:
-            self.session.interrupted_since(self.first_seq)
-            deliver()
 
 
 def raise_second_backward() -> NoReturn:
