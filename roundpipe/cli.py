@@ -1,7 +1,8 @@
 """The ``roundpipe`` command: the top-level parser, its subcommands, and the dispatch.
 
 Each subcommand registers its own parser and run function: ``simulate`` in
-:mod:`roundpipe.predict.simulate_command`, ``train`` in :mod:`roundpipe.train.command`.
+:mod:`roundpipe.predict.simulate_command`, ``train`` in :mod:`roundpipe.train.command`,
+``export`` in :mod:`roundpipe.train.export`.
 A ``ValueError`` a run raises is bad input: its message and exit code 2.
 """
 
@@ -13,6 +14,7 @@ from collections.abc import Sequence
 
 from .predict.simulate_command import add_simulate_parser
 from .train.command import add_train_parser
+from .train.export import add_export_parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -30,6 +32,7 @@ def _parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     add_simulate_parser(commands)
     add_train_parser(commands)
+    add_export_parser(commands)
     return parser
 
 

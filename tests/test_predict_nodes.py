@@ -9,9 +9,10 @@ import json
 import pytest
 
 from roundpipe.cli import main
+from roundpipe.predict.breakdown import SHARDED_HOST_BYTES
 from roundpipe.predict.gpus import gpu_preset
 from roundpipe.predict.model_specs import model_preset
-from roundpipe.predict.models import SHARDED_HOST_BYTES, Workload, predict
+from roundpipe.predict.models import Workload, predict
 from roundpipe.predict.nodes import Network, predict_nodes, scaling_table
 
 SPEC, GPU, GPUS = model_preset("Qwen3-1.7B"), gpu_preset("rtx4090"), 2

@@ -21,7 +21,7 @@ from ..core.program import ACT_UPLOAD, COMPUTE, DOWNLOAD, WEIGHT_UPLOAD
 from .host_blocks import HostBlockPool
 
 RANDOM_KINDS = frozenset({"forward", "recompute", "fused"})
-"""Compute ops that may draw random numbers (dropout): their RNG use must be atomic."""
+"""Compute ops that run layers, so may draw random numbers (dropout)."""
 
 MAPPED_FILE_ATTR = "roundpipe_mapped_file"
 """Set on the storage of a host tensor that is a view of a file mapping (its value is
@@ -227,12 +227,20 @@ class Device(abc.ABC):
         return None
 
     @abc.abstractmethod
+    def random_scope(self, seed: int, module: Any) -> contextlib.AbstractContextManager[None]:
+        """Inside a compute op, around one layer (``module``, its shell) run: the layer's
+        random numbers (dropout) are drawn from a generator seeded with ``seed``, as
+        after ``torch.manual_seed(seed)``, whatever other threads draw meanwhile; the
+        device's generator is left as it was (docs/design.md#random-numbers)."""
+
+    @abc.abstractmethod
     def get_rng_state(self) -> torch.Tensor:
-        """Inside a compute op: the RNG state random layers (dropout) will draw from."""
+        """The device generator's state (what a checkpoint saves; layers run by
+        RoundPipe draw from :meth:`random_scope` instead)."""
 
     @abc.abstractmethod
     def set_rng_state(self, state: torch.Tensor) -> None:
-        """Inside a compute op: restore an RNG state captured by :meth:`get_rng_state`."""
+        """Restore a generator state captured by :meth:`get_rng_state`."""
 
     @abc.abstractmethod
     def memory_allocated(self) -> int:

@@ -12,7 +12,8 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 
@@ -142,8 +143,8 @@ class CudaDevice(Device):
 
     def compute_scope(self, info: OpInfo) -> contextlib.AbstractContextManager[None]:
         # Random kernels draw their offsets from the GPU's generator when launched.
-        # Workers sharing one GPU (e.g. "cuda:0,0") must not interleave "capture or
-        # restore the state, then launch", so those launches hold the GPU's lock.
+        # Workers sharing one GPU (e.g. "cuda:0,0") must not interleave "seed the
+        # generator, then launch" (random_scope), so those launches hold the GPU's lock.
         if info.kind in RANDOM_KINDS:
             return self.pool.rng_lock(self.index)
         return contextlib.nullcontext()
@@ -155,6 +156,18 @@ class CudaDevice(Device):
         """What plans may use: the GPU's memory less the pool's headroom."""
         total = torch.cuda.get_device_properties(self.index).total_memory
         return max(0, int(total * (1 - self.pool.headroom_fraction)) - self.pool.headroom_bytes)
+
+    @contextlib.contextmanager
+    def random_scope(self, seed: int, module: Any) -> Iterator[None]:
+        # Kernels take the generator's seed and offset as arguments when launched, so
+        # the state can be put back as soon as the layer's kernels are launched.
+        generator = torch.cuda.default_generators[self.index]
+        state = generator.get_state()
+        generator.manual_seed(seed)
+        try:
+            yield
+        finally:
+            generator.set_state(state)
 
     def get_rng_state(self) -> torch.Tensor:
         return torch.cuda.get_rng_state(self.index)

@@ -32,6 +32,12 @@ class HFRoundPipe(RoundPipe):
         """The model given to ``from_hf`` (a ``*ForCausalLM`` or a peft model of one)."""
         return self.__dict__["_hf_model"]
 
+    def train(self, mode: bool = True) -> HFRoundPipe:
+        """As ``nn.Module.train``, for the layers and ``hf_model`` alike (``eval()`` too)."""
+        super().train(mode)
+        self.hf_model.train(mode)
+        return self
+
     def save_pretrained(self, path, **kwargs: Any) -> None:
         """Wait for queued work, then write the model as ``transformers`` (or, for a peft
         model, the adapter as ``peft``) loads it with ``from_pretrained``.
@@ -208,4 +214,5 @@ def from_hf(model, **options) -> HFRoundPipe:
     pipe = HFRoundPipe(decoder_layers(causal_lm, family), _names_from=model, **options)
     pipe.max_positions = getattr(causal_lm.config, "max_position_embeddings", None)
     pipe.__dict__["_hf_model"] = model  # not a submodule: its parameters are the layers'
+    pipe.training = model.training  # the mode of what was wrapped (eval after from_pretrained)
     return pipe

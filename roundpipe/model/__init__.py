@@ -36,6 +36,7 @@ from ..runtime.lifetime import finalize_unclosed
 from ..runtime.microbatch import merge_outputs
 from ..runtime.params import ParameterStore, parameter_names
 from ..runtime.profiler import LayerProfiler
+from ..runtime.seeds import CallSeeds
 from ..runtime.session import Session
 from ..runtime.sync import wait_future
 from .checkpoint import Checkpoints
@@ -91,6 +92,7 @@ class RoundPipe(ModuleCall, Checkpoints, ParameterViews, nn.Module):
             )
         layers = sequential_layers(model)
         self.model = model
+        self.training = model.training  # the mode it was wrapped in (eval after from_pretrained)
         self.run_config = model_run_config or RoundPipeRunConfig()
         self.pool = make_pool(devices, emulated_options)
         self._layers = layers
@@ -120,6 +122,7 @@ class RoundPipe(ModuleCall, Checkpoints, ParameterViews, nn.Module):
         )
         self._cursor = 0
         self._optimizer_view = 0
+        self._seeds = CallSeeds(torch.initial_seed())  # docs/design.md#random-numbers
 
     # -- introspection ----------------------------------------------------------------
 
@@ -215,6 +218,17 @@ class RoundPipe(ModuleCall, Checkpoints, ParameterViews, nn.Module):
             if error is not None:
                 session.fail(error, step_error=True)
             session.settle()  # a call of the step failed: the step was skipped; say why
+
+    def train(self, mode: bool = True) -> RoundPipe:
+        """As ``nn.Module.train`` (and ``eval()``): sets the wrapped model's modules'
+        mode, so dropout is active in train mode only. Work in flight finishes in the
+        mode it started in: a change of mode first waits for it (a backward's recompute
+        must draw the masks its forward drew)."""
+        if not isinstance(mode, bool):
+            raise ValueError(f"training mode must be True or False, got {mode!r}")
+        if not self._session.closed and any(m.training != mode for m in self.modules()):
+            self.synchronize()
+        return super().train(mode)
 
     def synchronize(self) -> None:
         """Wait for all queued work. Then the model's weights and ``.grad`` are current,
@@ -367,6 +381,7 @@ class RoundPipe(ModuleCall, Checkpoints, ParameterViews, nn.Module):
             autocast=AutocastState.capture(self.pool.devices[0].torch_device.type),
             loss_fn=loss_fn,
             return_outputs=return_outputs,
+            rng_seed=self._seeds.next_call(),
         )
         self._cursor = schedule.next_device
         session.issue(call, self._loss_scale() if loss_fn is not None else None, owned)

@@ -36,7 +36,8 @@ class Checkpoints:
         with self._session.enter("save_checkpoint") as session:
             session.check_open()
             session.synchronize()
-            live = (self._session.store, self.pool, list(self.model.named_buffers()))
+            buffers = list(self.model.named_buffers())
+            live = (self._session.store, self.pool, buffers, self._seeds)
             ranks = _Ranks.of(self._node)
             save(ranks, _absolute(path), live, optimizer, lr_scheduler, grad_scaler, extra)
 
@@ -49,9 +50,9 @@ class Checkpoints:
             session.check_open()
             session.synchronize()
             store, buffers = self._session.store, list(self.model.named_buffers())
-            live, ranks = (store, self.pool, buffers), _Ranks.of(self._node)
+            live, ranks = (store, self.pool, buffers, self._seeds), _Ranks.of(self._node)
             staged = load(ranks, _absolute(path), live, optimizer, lr_scheduler, grad_scaler)
-            files.put(staged, store, self.pool, buffers)
+            files.put(staged, store, self.pool, buffers, self._seeds)
             session.synchronize()  # adopts the written weights (the masters take them) ...
             files.restore_masters(store, staged.masters)  # ... then their full precision
             session.make_current()  # .grad shows the restored gradients
@@ -103,7 +104,7 @@ class _Ranks:
 
 
 def save(ranks: _Ranks, path: Path, live, optimizer, lr_scheduler, grad_scaler, extra) -> None:
-    """Write a checkpoint of ``live`` (the store, pool and buffers) to ``path``: every
+    """Write a checkpoint of ``live`` (store, pool, buffers, seeds) to ``path``: every
     rank writes its part into a temporary directory, all agree, all swap it in (the
     previous complete checkpoint kept), all agree, the previous goes."""
     target = ranks.place(path)

@@ -5,8 +5,11 @@ Pure logic on top of the planner and the simulator, no devices
 
 - ``models``: ``predict``, tokens/s and memory of a model on N GPUs of a preset.
 - ``nodes``: ``predict_nodes``, the same across K nodes joined by a network.
+- ``breakdown``: host RAM and per-GPU memory term by term, and the fit verdicts.
+- ``nearest``: ``nearest_fit``, the nearest configuration that fits when one does not.
 - ``unit_costs``: seconds and bytes of each pipeline unit, calibrated.
 - ``model_specs``: ``ModelSpec``, the shapes and parameter counts of a decoder.
 - ``gpus``: GPU, precision and PCIe presets.
-- ``simulate_command``: the ``roundpipe simulate`` subcommand.
+- ``simulate_command``: the ``roundpipe simulate`` subcommand; ``model_mode``, its
+  model-level mode.
 """

@@ -9,7 +9,7 @@ docs/design.md#model-shapes.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 
 @dataclass(frozen=True)
@@ -38,9 +38,17 @@ class ModelSpec:
     """Biases on every projection, attention sinks (gpt-oss)."""
 
     @classmethod
-    def from_config(cls, config: Mapping | object, name: str = "custom") -> ModelSpec:
-        """Read a Hugging Face config (dict or ``PretrainedConfig``)."""
+    def from_config(cls, config: Mapping | object, name: str | None = None) -> ModelSpec:
+        """Read a Hugging Face config (dict or ``PretrainedConfig``), named by its
+        ``_name_or_path``, else ``name``, else its architecture and size
+        ("Qwen3ForCausalLM 1.7B"): a saved config.json has no ``_name_or_path``."""
         values = config.to_dict() if hasattr(config, "to_dict") else dict(config)  # type: ignore[arg-type]
+        spec = cls._read(values)
+        given = values.get("name_or_path") or values.get("_name_or_path") or name
+        return replace(spec, name=given or f"{_architecture(values)} {_size(spec.num_params)}")
+
+    @classmethod
+    def _read(cls, values: Mapping) -> ModelSpec:
         try:
             hidden, heads = values["hidden_size"], values["num_attention_heads"]
             experts = values.get("num_experts") or values.get("num_local_experts") or 0
@@ -53,7 +61,7 @@ class ModelSpec:
             dense_mlp = values.get("intermediate_size", 0)
             model_type = values.get("model_type", "")
             return cls(
-                name=values.get("name_or_path") or values.get("_name_or_path") or name,
+                name="",
                 hidden_size=hidden,
                 intermediate_size=0 if experts else dense_mlp,
                 num_layers=values["num_hidden_layers"],
@@ -156,6 +164,19 @@ class ModelSpec:
         return self.num_layers * self.lora_layer_params(rank)
 
 
+def _architecture(values: Mapping) -> str:
+    architectures = values.get("architectures") or ()
+    return architectures[0] if architectures else values.get("model_type") or "decoder"
+
+
+def _size(num_params: int) -> str:
+    """A parameter count as model names spell it: 1.7B, 494M, 86.9K."""
+    for scale, suffix in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if num_params >= scale:
+            return f"{num_params / scale:.3g}{suffix}"
+    return str(num_params)
+
+
 def _window_layers(values: Mapping) -> int:
     types = values.get("layer_types")
     if types:
@@ -225,4 +246,7 @@ def model_preset(name: str) -> ModelSpec:
         return MODEL_PRESETS[name.lower()]
     except KeyError:
         known = ", ".join(s.name for s in MODEL_PRESETS.values())
-        raise ValueError(f"unknown model preset {name!r}; known presets: {known}") from None
+        raise ValueError(
+            f"unknown model preset {name!r}; known presets: {known}; "
+            "for any other model give --config path/to/config.json"
+        ) from None

@@ -11,11 +11,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..core.plan import Plan
+from ..core.plan import Plan, PlanError
 from ..planning.partition import auto_plan
 from ..planning.sim.baselines import BASELINES, simulate_baseline
 from ..planning.sim.costs import CostModel, LayerCosts
 from ..planning.sim.roundpipe_schedule import steady_iteration_time
+from .breakdown import (
+    SHARDED_HOST_BYTES,
+    Budget,
+    MemoryFit,
+    device_memory_terms,
+    finest_plan,
+    host_ram_terms,
+)
 from .gpus import PCIE_BANDWIDTH, Gpu
 from .model_specs import MODEL_PRESETS, ModelSpec, model_preset
 from .unit_costs import HALF, Kernels, UnitCost, embedding_cost, head_cost, layer_cost
@@ -26,12 +34,7 @@ ROUND_PER_GPU = 4
 """Default round (one ``forward_backward`` call): this many microbatches per GPU."""
 ADAM_BYTES = 34  # read grad, master, m, v; write master, m, v, half weights; zero grad
 GRAD_ACCUMULATE_BYTES = 10  # read the half gradient and the fp32 sum, write the sum
-HOST_BYTES_TRAINABLE = 20
-SHARDED_HOST_BYTES = 12
-"""Of ``HOST_BYTES_TRAINABLE``, the fp32 master and Adam m and v: what ``optimizer_shards``
-hosts split (the fp32 gradient stays whole: rounds accumulate into all of it)."""
-DEVICE_OPTIMIZER_RATIO = 6.0  # fp32 master + m + v (12 B) per half-precision weight (2 B)
-MEMORY_HEADROOM = 0.9
+DEVICE_OPTIMIZER_RATIO = SHARDED_HOST_BYTES / HALF  # baselines: master, m, v per half weight
 DEFAULT_HOST_BANDWIDTH = 200e9
 """Host memory bytes/s for copies and the optimizer (a two-socket server's DDR4)."""
 
@@ -83,9 +86,31 @@ class Prediction:
     host_ram_fits: bool | None
     detail: str
     max_seq_len: int | None = None
+    memory: MemoryFit | None = None
+    """RoundPipe's memory term by term: ``gpu_memory`` and ``host_ram`` are its sums."""
+
+    @classmethod
+    def of_roundpipe(cls, memory: MemoryFit, **rest) -> Prediction:
+        """RoundPipe's prediction, its memory figures and verdicts read from ``memory``."""
+        return cls(
+            schedule="roundpipe",
+            gpu_memory=memory.device.total,
+            gpu_budget=memory.gpu.available,
+            fits=memory.fits,
+            host_ram=memory.host.total,
+            host_ram_budget=None if memory.host_budget is None else memory.host_budget.available,
+            host_ram_fits=memory.host_fits,
+            memory=memory,
+            **rest,
+        )
 
     def to_dict(self) -> dict:
-        return dict(self.__dict__)
+        """Flat figures; RoundPipe's ``host_ram`` and ``device_memory`` are breakdowns."""
+        row = {k: v for k, v in self.__dict__.items() if k != "memory"}
+        row["device_memory"] = None
+        if self.memory is not None:
+            row.update(self.memory.to_dict())
+        return row
 
 
 @dataclass(frozen=True)
@@ -132,63 +157,117 @@ def predict(
     schedules: tuple[str, ...] = ("roundpipe", *BASELINES),
     host_ram: int | None = None,
 ) -> list[Prediction]:
-    """Tokens/s, memory and fit of each schedule for this model, box and workload."""
+    """Tokens/s, memory and fit of each schedule for this model, box and workload
+    (RoundPipe without a plan that fits the GPUs: 0 tokens/s, the reason as detail)."""
     model = _Model.build(spec, gpu, work, work.tokens_per_microbatch)
     sim_microbatches = work.round_microbatches(num_gpus)
     costs = cost_model(model, gpu, work, num_gpus, sim_microbatches)
-    budget = int(gpu.memory_bytes * MEMORY_HEADROOM)
-    host_budget = None if host_ram is None else int(host_ram * MEMORY_HEADROOM)
-    sim_tokens = sim_microbatches * work.tokens_per_microbatch
-    predictions = []
-    for name in schedules:
-        if name == "roundpipe":
-            plan = roundpipe_plan(costs, gpu, num_gpus, sim_microbatches)
-            sim_time = steady_iteration_time(
-                plan, costs, num_gpus, sim_microbatches, round_size=sim_microbatches
-            )
-            host_time = host_round_time(model, work, num_gpus, sim_microbatches)
-            peak = _roundpipe_peak(costs, plan)
-            host = _host_bytes(model, work, plan, sim_microbatches, costs.layers.boundary_bytes)
-            detail = f"plan {plan}, rounds of {sim_microbatches} microbatches"
-            if host_time > sim_time:
-                detail += (
-                    f", host-memory bound ({sim_time:.2f} s simulated, {host_time:.2f} s host)"
-                )
-                sim_time = host_time
-            extra = {"max_seq_len": max_seq_len(spec, gpu, work)}
-        else:
-            try:
-                result = simulate_baseline(name, costs, num_gpus, sim_microbatches)
-            except ValueError as unsupported:
-                predictions.append(
-                    Prediction(name, 0.0, 0.0, 0, budget, False, None, None, None, str(unsupported))
-                )
-                continue
-            sim_time, peak = result.iteration_time or result.makespan, max(result.peak_memory)
-            host, detail, extra = None, result.detail, {}
-        tokens_per_s = sim_tokens / sim_time
-        fits_host = None if host is None or host_budget is None else host <= host_budget
-        predictions.append(
-            Prediction(
-                schedule=name,
-                tokens_per_s=tokens_per_s,
-                iteration_time=work.batch * work.seq_len / tokens_per_s,
-                gpu_memory=peak,
-                gpu_budget=budget,
-                fits=peak <= budget,
-                host_ram=host,
-                host_ram_budget=None if host is None else host_budget,
-                host_ram_fits=fits_host,
-                detail=detail,
-                **extra,
-            )
+    return [
+        _roundpipe(model, costs, gpu, work, num_gpus, host_ram)
+        if name == "roundpipe"
+        else _baseline(name, costs, gpu, work, num_gpus)
+        for name in schedules
+    ]
+
+
+def _roundpipe(
+    model: _Model, costs: CostModel, gpu: Gpu, work: Workload, num_gpus: int, host_ram: int | None
+) -> Prediction:
+    memory = _memory_fit(model, costs, gpu, work, num_gpus, host_ram)
+    longest = max_seq_len(model.spec, gpu, work)
+    if memory.plan is None:
+        return Prediction.of_roundpipe(
+            memory, tokens_per_s=0.0, iteration_time=0.0, detail=memory.no_plan, max_seq_len=longest
         )
-    return predictions
+    sim_microbatches = work.round_microbatches(num_gpus)
+    sim_time = steady_iteration_time(
+        memory.plan, costs, num_gpus, sim_microbatches, round_size=sim_microbatches
+    )
+    host_time = host_round_time(model, work, num_gpus, sim_microbatches)
+    detail = f"plan {memory.plan}, rounds of {sim_microbatches} microbatches"
+    if host_time > sim_time:
+        detail += f", host-memory bound ({sim_time:.2f} s simulated, {host_time:.2f} s host)"
+        sim_time = host_time
+    tokens_per_s = sim_microbatches * work.tokens_per_microbatch / sim_time
+    return Prediction.of_roundpipe(
+        memory,
+        tokens_per_s=tokens_per_s,
+        iteration_time=work.batch * work.seq_len / tokens_per_s,
+        detail=detail,
+        max_seq_len=longest,
+    )
+
+
+def _baseline(name: str, costs: CostModel, gpu: Gpu, work: Workload, num_gpus: int) -> Prediction:
+    budget = Budget(gpu.memory_bytes).available
+    sim_microbatches = work.round_microbatches(num_gpus)
+    try:
+        result = simulate_baseline(name, costs, num_gpus, sim_microbatches)
+    except ValueError as unsupported:
+        return Prediction(name, 0.0, 0.0, 0, budget, False, None, None, None, str(unsupported))
+    sim_time, peak = result.iteration_time or result.makespan, max(result.peak_memory)
+    tokens_per_s = sim_microbatches * work.tokens_per_microbatch / sim_time
+    return Prediction(
+        schedule=name,
+        tokens_per_s=tokens_per_s,
+        iteration_time=work.batch * work.seq_len / tokens_per_s,
+        gpu_memory=peak,
+        gpu_budget=budget,
+        fits=peak <= budget,
+        host_ram=None,
+        host_ram_budget=None,
+        host_ram_fits=None,
+        detail=result.detail,
+    )
+
+
+def memory_fit(
+    spec: ModelSpec, gpu: Gpu, work: Workload, num_gpus: int, host_ram: int | None = None
+) -> MemoryFit:
+    """RoundPipe's memory and whether it fits, without timing the iteration (what
+    :func:`predict` answers for its ``"roundpipe"`` row, at the cost of a plan only)."""
+    model = _Model.build(spec, gpu, work, work.tokens_per_microbatch)
+    costs = cost_model(model, gpu, work, num_gpus, work.round_microbatches(num_gpus))
+    return _memory_fit(model, costs, gpu, work, num_gpus, host_ram)
+
+
+def _memory_fit(
+    model: _Model,
+    costs: CostModel,
+    gpu: Gpu,
+    work: Workload,
+    num_gpus: int,
+    host_ram: int | None,
+) -> MemoryFit:
+    """The automatic plan's memory, or the finest plan's when none fits the GPUs."""
+    round_microbatches = work.round_microbatches(num_gpus)
+    try:
+        plan, no_plan = roundpipe_plan(costs, gpu, num_gpus, round_microbatches), ""
+        terms_plan = plan
+    except PlanError as error:
+        plan, no_plan = None, str(error)
+        terms_plan = finest_plan(len(model.units))
+    host = host_ram_terms(
+        model.trainable,
+        model.frozen,
+        work.optimizer_shards,
+        terms_plan,
+        round_microbatches,
+        costs.layers.boundary_bytes,
+    )
+    return MemoryFit(
+        plan=plan,
+        device=device_memory_terms(costs, terms_plan),
+        gpu=Budget(gpu.memory_bytes),
+        host=host,
+        host_budget=None if host_ram is None else Budget(host_ram),
+        no_plan=no_plan,
+    )
 
 
 def roundpipe_plan(costs: CostModel, gpu: Gpu, num_gpus: int, sim_microbatches: int) -> Plan:
     """The automatic plan, unrefined, for rounds of ``sim_microbatches``."""
-    budget = int(gpu.memory_bytes * MEMORY_HEADROOM)
+    budget = Budget(gpu.memory_bytes).available
     return auto_plan(
         costs,
         num_gpus,
@@ -241,12 +320,14 @@ def host_round_time(model: _Model, work: Workload, num_gpus: int, round_size: in
 def max_seq_len(spec: ModelSpec, gpu: Gpu, work: Workload) -> int:
     """The longest sequence that trains at batch 1 with one layer per stage (the plan that
     needs least memory: each layer recomputed alone), to the nearest 256 tokens."""
-    budget = gpu.memory_bytes * MEMORY_HEADROOM
+    budget = Budget(gpu.memory_bytes).available
     probe = Workload(**{**work.__dict__, "batch": 1, "microbatch_size": 1})
 
     def fits(seq_len: int) -> bool:
-        model = _Model.build(spec, gpu, Workload(**{**probe.__dict__, "seq_len": seq_len}), seq_len)
-        return _finest_plan_peak(model) <= budget
+        at = Workload(**{**probe.__dict__, "seq_len": seq_len})
+        model = _Model.build(spec, gpu, at, seq_len)
+        costs = cost_model(model, gpu, at, 1, 1)
+        return device_memory_terms(costs, finest_plan(len(model.units))).total <= budget
 
     low, high = 0, 256
     while fits(high) and high < 2**24:
@@ -255,36 +336,3 @@ def max_seq_len(spec: ModelSpec, gpu: Gpu, work: Workload) -> int:
         middle = (low + high) // 2
         low, high = (middle, high) if fits(middle) else (low, middle)
     return low
-
-
-def _finest_plan_peak(model: _Model) -> int:
-    """Peak device bytes with one unit per stage: the running stage's weights, gradients
-    and activations, and the next stage's weights (prefetched)."""
-    ratio = model.trainable * HALF / model.upload_bytes
-    prefetched = max(u.param_bytes for u in model.units)
-    return max(u.param_bytes * (1 + ratio) + u.activation_bytes + prefetched for u in model.units)
-
-
-def _roundpipe_peak(costs: CostModel, plan) -> int:
-    """Peak device bytes of the plan: its biggest backward stage running with the next
-    stage's weights prefetched (as :func:`_finest_plan_peak`, stage by stage)."""
-    layers = costs.layers
-    stages = [(r, False) for r in plan.forward_ranges()]
-    stages += [(r, True) for r in plan.backward_ranges()]
-    prefetched = max(layers.stage_param_bytes(r) for r, _ in stages)
-    peaks = []
-    for r, backward in stages:
-        weights = layers.stage_param_bytes(r)
-        if backward:
-            own = weights * (1 + costs.grad_bytes_ratio) + layers.stage_activation_bytes(r)
-        else:
-            own = weights + max(layers.activation_bytes[i] for i in r)
-        peaks.append(own + prefetched)
-    return int(max(peaks))
-
-
-def _host_bytes(model: _Model, work: Workload, plan, round_microbatches: int, boundary: int) -> int:
-    saved_inputs = (len(plan.backward) - 1) * round_microbatches * boundary
-    whole = model.trainable * (HOST_BYTES_TRAINABLE - SHARDED_HOST_BYTES)
-    sharded = -(-model.trainable * SHARDED_HOST_BYTES // work.optimizer_shards)
-    return whole + sharded + model.frozen * HALF + saved_inputs

@@ -12,6 +12,7 @@ import math
 import re
 from dataclasses import dataclass, replace
 
+from ..core.plan import PlanError
 from ..planning.sim.roundpipe_schedule import simulate_roundpipe
 from .gpus import Gpu
 from .model_specs import ModelSpec
@@ -102,6 +103,8 @@ def predict_nodes(
     k = network.nodes
     local = replace(work, batch=split_batch(work.batch, k), optimizer_shards=k)
     (node,) = predict(spec, gpu, local, num_gpus, ("roundpipe",), host_ram)
+    if node.memory is not None and node.memory.plan is None:
+        raise PlanError(node.detail)  # nothing to time: the nodes' figures need a plan
     compute = node.iteration_time
     model = _Model.build(spec, gpu, local, local.tokens_per_microbatch)
     share = (k - 1) / k

@@ -1,13 +1,12 @@
 """``roundpipe simulate``: the subcommand's parser and its run, from options to printed
 results (exit code 0; bad values raise ``ValueError``, which the command line turns into
 exit code 2). Synthetic mode simulates uniform layers (:mod:`roundpipe.planning.sim`);
-model-level mode predicts a real model on a GPU preset (:mod:`.models`, :mod:`.nodes`)."""
+model-level mode predicts a real model on a GPU preset and explains it (:mod:`.model_mode`)."""
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -19,29 +18,28 @@ from ..planning.sim.baselines import BASELINES, simulate_baseline
 from ..planning.sim.costs import CostModel, LayerCosts
 from ..planning.sim.result import SimResult
 from ..planning.sim.roundpipe_schedule import simulate_roundpipe
-from .gpus import GPU_PRESETS, PCIE_BANDWIDTH, PRECISIONS, gpu_preset
-from .model_specs import MODEL_PRESETS, ModelSpec, model_preset
-from .models import DEFAULT_HOST_BANDWIDTH, Prediction, Workload, max_seq_len, predict
-from .nodes import GRAD_BYTES, Network, NodesPrediction, predict_nodes, scaling_table
+from .gpus import GPU_PRESETS, PCIE_BANDWIDTH, PRECISIONS
+from .model_mode import run_model_mode
+from .model_specs import MODEL_PRESETS
+from .models import DEFAULT_HOST_BANDWIDTH
+from .nodes import GRAD_BYTES
 
 SCHEDULES = ("roundpipe", *BASELINES)
 _MS = 1e-3
 
 DESCRIPTION = """\
-The ``roundpipe`` command line: ``roundpipe simulate ...`` and ``roundpipe train ...``
-(the latter in :mod:`roundpipe.train.command`).
+Simulate RoundPipe and weight-bound pipeline baselines, in one of two modes.
 
-Two modes of ``simulate``:
+Synthetic: --layers L --fwd-ms F --bwd-ms B --head-fwd-ms HF --head-bwd-ms HB
+  --comm-ms C describe L identical transformer layers plus an LM head, and every
+  chosen schedule is simulated for --gpus N and --microbatches M.
 
-- synthetic: ``--layers L --fwd-ms F --bwd-ms B --head-fwd-ms HF --head-bwd-ms HB
-  --comm-ms C`` describe L identical transformer layers plus an LM head, and every
-  chosen schedule is simulated for ``--gpus N`` and ``--microbatches M``;
-- model-level: ``--model Qwen3-8B`` (or ``--config config.json``) with ``--gpu
-  rtx4090 --seq-len 4096 --batch 16`` predicts tokens/s, per-GPU memory and host RAM,
-  and whether each fits (``--lora R``, ``--precision``, ``--pcie``, ``--host-ram``,
-  ``--host-bandwidth``); ``--max-seq-len`` answers only the longest sequence that fits;
-  ``--nodes K --network-gbps G`` predicts RoundPipe on K such boxes (data parallel,
-  :mod:`roundpipe.predict.nodes`), ``--scaling`` for K = 1, 2, 4, ... 64.
+Model-level: --model Qwen3-8B (or --config config.json) with --gpu rtx4090
+  --seq-len 4096 --batch 16 predicts tokens/s, per-GPU memory and host RAM, and
+  whether each fits (--lora R, --precision, --pcie, --host-ram, --host-bandwidth);
+  --max-seq-len answers only the longest sequence that fits; --nodes K
+  --network-gbps G predicts RoundPipe on K such boxes (data parallel), --scaling for
+  K = 1, 2, 4, ... 64.
 """
 
 
@@ -123,9 +121,9 @@ def add_simulate_parser(commands: Any) -> argparse.ArgumentParser:
 def run_simulate(args: argparse.Namespace) -> int:
     """The ``simulate`` subcommand: print every chosen schedule's simulation or prediction."""
     _validate(args)
-    if args.model or args.config:
-        return _predict(args)
     names = SCHEDULES if args.schedule == "all" else (args.schedule,)
+    if args.model or args.config:
+        return run_model_mode(args, names)
     costs = CostModel(
         LayerCosts.uniform(
             args.layers,
@@ -191,91 +189,6 @@ def _cli_partition(plan: Plan) -> str:
     return str(Plan(plan.forward, (plan.backward[0] - 1, *plan.backward[1:])))
 
 
-def _predict(args: argparse.Namespace) -> int:
-    if args.config:
-        spec = ModelSpec.from_config(_read_config(args.config), args.config.stem)
-    else:
-        spec = model_preset(args.model)
-    names = SCHEDULES if args.schedule == "all" else (args.schedule,)
-    work = Workload(
-        seq_len=args.seq_len,
-        batch=args.batch,
-        mfu=args.mfu,
-        precision=args.precision,
-        lora_rank=args.lora or 0,
-        host_bandwidth=args.host_bandwidth * 1e9,
-        pcie=args.pcie,
-        round_size=args.round_size,
-    )
-    gpu = gpu_preset(args.gpu)
-    if args.max_seq_len:
-        longest = max_seq_len(spec, gpu, work)
-        if args.json:
-            print(json.dumps({"model": spec.name, "gpu": gpu.name, "max_seq_len": longest}))
-        else:
-            print(f"{spec.name} on {gpu.name}: up to {longest} tokens at batch 1")
-        return 0
-    host_ram = int(args.host_ram * 1e9) if args.host_ram else _machine_ram()
-    if args.nodes is not None or args.scaling:
-        return _predict_nodes(args, spec, gpu, work, host_ram)
-    predictions = predict(spec, gpu, work, args.gpus, schedules=names, host_ram=host_ram)
-    if not args.json:
-        active = f", {spec.active_params / 1e9:.2f}B active" if spec.is_moe else ""
-        lora = f", LoRA rank {args.lora}" if args.lora else ""
-        print(
-            f"{spec.name} ({spec.num_params / 1e9:.2f}B params{active}{lora}) on {args.gpus}x "
-            f"{gpu.name} ({args.precision}), seq {args.seq_len}, batch {args.batch}"
-        )
-    for prediction in predictions:
-        _print_prediction(prediction, args.json)
-    return 0
-
-
-def _predict_nodes(args, spec: ModelSpec, gpu, work: Workload, host_ram: int) -> int:
-    nodes = 1 if args.nodes is None else args.nodes
-    network = Network(nodes, args.network_gbps, args.grad_reduce_dtype)
-    if args.scaling:
-        rows = scaling_table(spec, gpu, work, args.gpus, network, host_ram)
-    else:
-        rows = [predict_nodes(spec, gpu, work, args.gpus, network, host_ram)]
-    if not args.json:
-        print(
-            f"{spec.name} on nodes of {args.gpus}x {gpu.name} ({args.precision}), "
-            f"{args.network_gbps:g} Gb/s, {args.grad_reduce_dtype} gradient reduction, "
-            f"seq {args.seq_len}, global batch {args.batch}"
-        )
-    for row in rows:
-        _print_nodes(row, args.json)
-    return 0
-
-
-def _print_nodes(p: NodesPrediction, as_json: bool) -> None:
-    if as_json:
-        print(json.dumps(p.to_dict()))
-        return
-    host = (
-        "" if p.host_ram_per_node is None else f"  host RAM/node {p.host_ram_per_node / 1e9:.1f} GB"
-    )
-    print(
-        f"{p.nodes:3d} nodes {p.tokens_per_s:9.0f} tokens/s  efficiency {p.scaling_efficiency:6.1%}"
-        f"  iteration {p.iteration_time:6.2f} s  comm {p.comm_time:6.2f} s"
-        f" ({p.exposed_comm:.2f} s exposed){host}"
-    )
-
-
-def _read_config(path: Path) -> dict:
-    try:
-        return json.loads(path.read_text())
-    except OSError as error:
-        raise ValueError(f"cannot read the model config {path}: {error.strerror}") from None
-    except json.JSONDecodeError as error:
-        raise ValueError(f"the model config {path} is not JSON: {error}") from None
-
-
-def _machine_ram() -> int:
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-
-
 def _validate(args: argparse.Namespace) -> None:
     """Exit 2 with a message on values no simulation can use."""
     positive = {
@@ -320,29 +233,6 @@ def _print_result(result: SimResult, as_json: bool) -> None:
         f"steady-state bubble {steady if steady is None else format(steady, '6.1%')}  "
         f"exposed comm {result.exposed_comm / _MS:.2f} ms  [{result.detail}]"
     )
-
-
-def _print_prediction(p: Prediction, as_json: bool) -> None:
-    if as_json:
-        print(json.dumps(p.to_dict()))
-        return
-    gpu = _fit_text(p.fits, p.gpu_memory, p.gpu_budget)
-    host = (
-        ""
-        if p.host_ram is None
-        else f"  host RAM {_fit_text(p.host_ram_fits, p.host_ram, p.host_ram_budget)}"
-    )
-    longest = "" if p.max_seq_len is None else f"  max seq {p.max_seq_len}"
-    print(
-        f"{p.schedule:17s} {p.tokens_per_s:10.0f} tokens/s  GPU {gpu}{host}{longest}  [{p.detail}]"
-    )
-
-
-def _fit_text(fits: bool | None, need: int, budget: int | None) -> str:
-    if budget is None:
-        return f"needs {need / 1e9:.1f} GB"
-    verdict = "fits" if fits else "does not fit"
-    return f"{verdict}: needs {need / 1e9:.1f} GB of {budget / 1e9:.1f} GB"
 
 
 def _print_skip(name: str, reason: str, as_json: bool) -> None:

@@ -74,6 +74,8 @@ class Call:
     layer_changes_before: int
     """The session's count of changes to the user's modules when the call started."""
     forward_only: bool = False
+    rng_seed: int = 0
+    """The seed its layers' random numbers derive from (:mod:`.seeds`)."""
     mailbox: Mailbox = field(default_factory=Mailbox)
     latch: Latch = field(init=False)
     shape: CallShape = field(init=False)

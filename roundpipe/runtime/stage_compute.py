@@ -16,6 +16,7 @@ from ..core.keys import Activation, InputGrad, Loss, Output, RngState
 from ..devices.base import OpInfo, Slot, Timer
 from ..errors import failure_site
 from .context import JobContext
+from .seeds import layer_seed, microbatch_seed
 from .transfer import grads_of_inputs, inplace_safe, pair_outputs_with_grads
 
 
@@ -35,17 +36,19 @@ class StageCompute:
 
     def forward(self, m: int, value: Slot, saves: frozenset[int], rng: frozenset[int]) -> dict:
         """Run the job's layers; hands over the output, the inputs of the layers in
-        ``saves`` (kept for recompute) and the RNG states before those in ``rng``."""
+        ``saves`` (kept for recompute) and, for the layers in ``rng``, the seed their
+        recompute draws from (the microbatch's: docs/design.md#random-numbers)."""
         job, call = self.job, self.call
         out: dict = {}
         x = value.take()
+        seed = microbatch_seed(call.rng_seed, m)
         with torch.no_grad(), call.autocast.scope():
             for i in job.layers:
                 if i in rng:
-                    out[RngState(i, m)] = self.device.get_rng_state()
+                    out[RngState(i, m)] = seed
                 if i in saves:  # a copy: a later layer may modify its input in place
                     out[Activation(i, m)] = inplace_safe(x, clone_all=True)
-                x = self.run_layer(i, x, m, "forward")
+                x = self.run_layer(i, x, m, "forward", seed)
         out[Activation(job.layers.stop, m)] = x
         return out
 
@@ -55,8 +58,9 @@ class StageCompute:
         with torch.enable_grad():
             with call.autocast.scope():
                 x = inplace_safe(inputs)
+                seed = microbatch_seed(call.rng_seed, m)
                 for i in job.layers:
-                    x = self.run_layer(i, x, m, "forward")
+                    x = self.run_layer(i, x, m, "forward", seed)
                 with failure_site(f"loss_fn in {self.name}, microbatch {m}"):
                     loss = call.loss_fn(x[0][0], target)
                     _check_loss(loss)
@@ -70,19 +74,15 @@ class StageCompute:
         return out
 
     def recompute(self, m: int, layers: range, value: Slot, rng: Slot | None) -> tuple:
+        """Run ``layers`` again with autograd; with ``rng`` (the forward's seed) they draw
+        the forward's random numbers, without it new ones."""
         call = self.call
         inputs = value.take()
+        seed = microbatch_seed(call.rng_seed, m, redraw=True) if rng is None else rng.value
         with torch.enable_grad(), call.autocast.scope():
-            current = self.device.get_rng_state() if rng is not None else None
-            if rng is not None:
-                self.device.set_rng_state(rng.value)
-            try:
-                x = inplace_safe(inputs)
-                for i in layers:
-                    x = self.run_layer(i, x, m, "recompute")
-            finally:
-                if current is not None:
-                    self.device.set_rng_state(current)
+            x = inplace_safe(inputs)
+            for i in layers:
+                x = self.run_layer(i, x, m, "recompute", seed)
         return inputs, x
 
     def backward(self, m: int, layers: range, graph: Slot, incoming: Callable[[], Any]) -> dict:
@@ -106,14 +106,19 @@ class StageCompute:
         self.timings.append((kind, tuple(layers), timer))
         return result
 
-    def run_layer(self, index: int, value, m: int, kind: str):
+    def run_layer(self, index: int, value, m: int, kind: str, seed: int):
+        """Run layer ``index`` drawing from ``layer_seed(seed, index)`` (``seed``: its
+        microbatch's)."""
         layer = self.layers[index]
         params, buffers = self.weights.value
         shell = layer.shell(self.device.index)
         layer.bind(shell, params, buffers, check_on_device=self.device.is_on_device)
         args, kwargs = value
         try:
-            with failure_site(f"{layer} in {self.name}, microbatch {m}"):
+            with (
+                failure_site(f"{layer} in {self.name}, microbatch {m}"),
+                self.device.random_scope(layer_seed(seed, index), shell),
+            ):
                 output = self.timed(kind, range(index, index + 1), shell, *args, **kwargs)
                 return ((output,), {})
         finally:

@@ -1,5 +1,5 @@
 """Chat data: a conversation rendered with the tokenizer's chat template, loss on the
-assistant turns only.
+assistant turns only (or on every token, for ``--train-on-prompt``).
 
 Which characters belong to an assistant turn is read off the template itself, by
 rendering prefixes of the conversation, so any template works without knowing its
@@ -17,13 +17,20 @@ from ..hf.decoder import IGNORE_INDEX  # the label of a token without loss (HF's
 Span = tuple[int, int]
 
 
-def chat_examples(messages: Sequence[dict], tokenizer: Any) -> list[tuple[list[int], list[int]]]:
+def chat_examples(
+    messages: Sequence[dict], tokenizer: Any, learn_from: int = 0
+) -> list[tuple[list[int], list[int]]]:
     """``messages`` (validated dicts with string ``role`` and ``content``) as one or more
-    ``(input_ids, labels)`` pairs; labels are ``IGNORE_INDEX`` outside assistant turns.
-    Raises ``ValueError`` (without a location: the caller adds it) when the conversation
-    has no assistant turn or the template cannot be rendered or does not extend its
-    own generation prompt."""
-    turns = [k for k, message in enumerate(messages) if message["role"] == "assistant"]
+    ``(input_ids, labels)`` pairs; labels are ``IGNORE_INDEX`` outside the assistant
+    turns from message ``learn_from`` on (a conversational prompt's own assistant turns
+    are not learnt). Raises ``ValueError`` (without a location: the caller adds it) when
+    there is no such turn or the template cannot be rendered or does not extend its own
+    generation prompt."""
+    turns = [
+        k
+        for k, message in enumerate(messages)
+        if message["role"] == "assistant" and k >= learn_from
+    ]
     if not turns:
         raise ValueError("the conversation has no assistant turn, so nothing to learn")
     pieces = []
@@ -41,6 +48,14 @@ def chat_examples(messages: Sequence[dict], tokenizer: Any) -> list[tuple[list[i
             )
         pieces.append(_labelled_tokens(tokenizer, text, spans[::-1]))
     return pieces[::-1]
+
+
+def whole_chat_example(messages: Sequence[dict], tokenizer: Any) -> tuple[list[int], list[int]]:
+    """The whole conversation as the template renders it, every token labelled
+    (``--train-on-prompt``: what TRL trains on for messages by default)."""
+    text = _render(tokenizer, messages, generation_prompt=False)
+    ids = list(tokenizer.encode(text, add_special_tokens=False))
+    return ids, list(ids)
 
 
 def _render(tokenizer: Any, messages: Sequence[dict], generation_prompt: bool) -> str:

@@ -117,15 +117,9 @@ def resumable_checkpoints(
     of processes, or when it belongs to another model or adapter shape. With ``shard``:
     this rank's shards."""
     root = Path(output) / CHECKPOINTS_DIR
-    world = shard["world"] if shard else 1
     worlds = saved_worlds(output)
-    if worlds and world not in worlds[max(worlds)]:
-        newest = max(worlds)
-        saved = " and ".join(describe_world(w) for w in sorted(worlds[newest]))
-        raise UsageError(
-            f"--resume: {root / f'step-{newest}'} was written by {saved}, this run has "
-            f"{describe_world(world)}: resume with the number of processes that wrote it"
-        )
+    if worlds:
+        _check_world("--resume", root / f"step-{max(worlds)}", worlds[max(worlds)], shard)
     candidates = complete_checkpoints(output, shard)
     if not candidates:
         raise UsageError(
@@ -148,6 +142,69 @@ def resumable_checkpoints(
         )
     check_compatible(found[0], options)
     return found, damaged
+
+
+def named_checkpoint(
+    output: Path, path: Path, options: TrainOptions, shard: dict | None = None
+) -> Found:
+    """``--resume DIR``: checkpoint ``path``, one of ``output``'s, checked as
+    :func:`resumable_checkpoints` checks the newest (no older one is tried in its place).
+    Refused while ``output`` holds newer checkpoints: this run would overwrite them and
+    a later ``--resume`` would take them for its own."""
+    path, root = Path(path).absolute(), Path(output) / CHECKPOINTS_DIR
+    flag = f"--resume {path}"
+    match = _NAME.fullmatch(path.name)
+    if not match or path.parent.resolve() != root.resolve():
+        raise UsageError(
+            f"{flag}: not a checkpoint of --output {output} (those are {root}/step-N); "
+            "--resume alone takes the newest"
+        )
+    step, worlds = int(match.group(1)), saved_worlds(output)
+    if step not in worlds:
+        raise UsageError(f"{flag}: no complete checkpoint there (no state.json)")
+    _check_world(flag, path, worlds[step], shard)
+    newer = sorted(s for s in worlds if s > step)
+    if newer:
+        names = ", ".join(f"step-{s}" for s in newer)
+        raise UsageError(
+            f"{flag}: {root} holds newer checkpoints ({names}), which this run would "
+            f"overwrite: delete them to continue from step {step}, or use another --output"
+        )
+    try:
+        found = _read(path, shard)
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise UsageError(f"{flag}: cannot be read ({error})") from error
+    if found.position.step != step:
+        raise UsageError(f"{flag}: it holds step {found.position.step}, not {step}")
+    check_compatible(found, options)
+    return found
+
+
+def read_checkpoint(path: Path) -> tuple[Found, Path]:
+    """Checkpoint ``path`` (``step-N``) read on its own, outside a run: what it holds and
+    the directory of its files. Sharded, the lowest rank's shard there: every rank's
+    weights file holds every trainable parameter (only the masters are split)."""
+    shard = None
+    if not (path / "state.json").is_file() and not (_old(path) / "state.json").is_file():
+        ranks = sorted(
+            (int(m.group(1)), int(m.group(2)))
+            for m in (_SHARD.fullmatch(p.name.removesuffix(".old")) for p in path.glob("rank*"))
+            if m
+        )
+        if ranks:
+            shard = {"rank": ranks[0][0], "world": ranks[0][1]}
+    found = _read(path, shard)
+    return found, existing_checkpoint(shard_path(path, shard) if shard else path, shard)
+
+
+def _check_world(flag: str, path: Path, saved_by: set[int], shard: dict | None) -> None:
+    world = shard["world"] if shard else 1
+    if world not in saved_by:
+        saved = " and ".join(describe_world(w) for w in sorted(saved_by))
+        raise UsageError(
+            f"{flag}: {path} was written by {saved}, this run has "
+            f"{describe_world(world)}: resume with the number of processes that wrote it"
+        )
 
 
 def _read(path: Path, shard: dict | None) -> Found:

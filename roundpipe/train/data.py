@@ -1,31 +1,28 @@
-"""The training data of ``roundpipe train``: a JSONL file as tokenized, labelled examples.
+"""The training data of ``roundpipe train``: the records of its sources as tokenized,
+labelled examples.
 
-Three line formats (``text``, ``prompt``/``completion``, ``messages``), labels in
-Hugging Face's convention with the first label of every example ``-100`` so examples
-can be packed side by side; long examples are truncated and examples with nothing to
-learn dropped, both counted (docs/design.md#training-data). Batches are built by
-:mod:`roundpipe.train.batches`.
+Records are read by :mod:`roundpipe.train.sources` and normalised to three formats
+(``text``, ``prompt_completion``, ``messages``) by :mod:`roundpipe.train.formats`;
+labels are in Hugging Face's convention with the first label of every example
+``-100`` so examples can be packed side by side; long examples are truncated and
+examples with nothing to learn dropped, both counted per source; ``--eval-split``
+holds out a seeded share of the records (docs/design.md#training-data). Batches are
+built by :mod:`roundpipe.train.batches`.
 """
 
 from __future__ import annotations
 
-import json
-from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from .chat import IGNORE_INDEX, chat_examples, special_token_ids
+import torch
 
-FORMAT_FIELDS = {
-    "text": ("text",),
-    "prompt_completion": ("prompt", "completion"),
-    "messages": ("messages",),
-}
+from .chat import IGNORE_INDEX, chat_examples, special_token_ids, whole_chat_example
+from .formats import normalise, parse_fields
+from .sources import DataError, Records, read_source, split_sources
 
-
-class DataError(ValueError):
-    """The training data cannot be used; the message names the file and line."""
+__all__ = ["DataError", "Dataset", "Example", "load_dataset", "load_held_out", "pad_token_id"]
 
 
 @dataclass(frozen=True)
@@ -41,56 +38,162 @@ class Example:
         return sum(label != IGNORE_INDEX for label in self.labels)
 
 
-@dataclass
-class Dataset:
-    """The examples of one JSONL file. ``truncated`` counts the kept examples that were
-    cut to ``seq_len`` tokens; ``dropped`` the examples left with nothing to learn."""
+@dataclass(frozen=True)
+class SourceCounts:
+    """What one source gave: its format and how many examples were kept, truncated
+    (kept, cut to ``seq_len`` tokens) and dropped (nothing to learn)."""
 
-    path: Path
-    format: str  # "text" | "prompt_completion" | "messages"
-    seq_len: int
-    examples: list[Example]
+    label: str
+    format: str  # the source's own format, described: "Alpaca (...)", '"messages"'...
+    examples: int
     truncated: int
     dropped: int
 
 
-def load_dataset(path: str | Path, tokenizer: Any, seq_len: int) -> Dataset:
-    """Reads, checks and tokenizes the JSONL file at ``path``; raises :class:`DataError`."""
-    path = Path(path)
+@dataclass
+class Dataset:
+    """The examples of one or more sources, in their order. ``path`` is the sources as
+    given; ``format`` the internal format, ``+``-joined when the sources differ;
+    ``truncated`` and ``dropped`` the totals of ``sources``."""
+
+    path: str | Path
+    format: str  # "text" | "prompt_completion" | "messages", or several joined by "+"
+    seq_len: int
+    examples: list[Example]
+    truncated: int
+    dropped: int
+    sources: tuple[SourceCounts, ...] = ()
+
+
+@dataclass(frozen=True)
+class _Part:
+    """One source's records, normalised to ``format``."""
+
+    format: str
+    description: str
+    records: Records
+
+
+def load_dataset(
+    sources: str | Path,
+    tokenizer: Any,
+    seq_len: int,
+    *,
+    split: str = "train",
+    fields: str | None = None,
+    train_on_prompt: bool = False,
+) -> Dataset:
+    """Reads, checks and tokenizes ``sources`` (one, or several comma-separated; see
+    :func:`~roundpipe.train.sources.read_source`) with ``split`` for hub and
+    ``datasets`` sources and the ``--data-fields`` mapping ``fields``; raises
+    :class:`DataError`."""
+    _check_seq_len(seq_len)
+    parts = _read(sources, split, fields)
+    return _tokenized_dataset(str(sources), parts, tokenizer, seq_len, train_on_prompt)
+
+
+def load_held_out(
+    sources: str | Path,
+    tokenizer: Any,
+    seq_len: int,
+    fraction: float,
+    seed: int,
+    *,
+    split: str = "train",
+    fields: str | None = None,
+    train_on_prompt: bool = False,
+) -> tuple[Dataset, Dataset]:
+    """``(train, held out)``: the records of all ``sources`` in order, numbered 0..n-1;
+    the first ``round(fraction * n)`` of ``torch.randperm(n)`` drawn with
+    ``torch.Generator().manual_seed(seed)`` are held out (at least one on each side),
+    each side keeping the records' order; records are split before tokenizing, so the
+    examples of one conversation stay on one side."""
+    _check_seq_len(seq_len)
+    parts = _read(sources, split, fields)
+    total = sum(len(part.records.rows) for part in parts)
+    held = round(fraction * total)
+    if not 0 < held < total:
+        raise DataError(
+            f"--eval-split {fraction}: holds out {held} of the {total} records of {sources}; "
+            "each side needs at least one"
+        )
+    order = torch.randperm(total, generator=torch.Generator().manual_seed(seed)).tolist()
+    chosen = set(order[:held])
+    sides: tuple[list[_Part], list[_Part]] = ([], [])
+    offset = 0
+    for part in parts:
+        count = len(part.records.rows)
+        for side, keep in zip(sides, (False, True), strict=True):
+            indices = [i for i in range(count) if ((offset + i) in chosen) == keep]
+            if indices:
+                records = part.records.subset(indices)
+                if keep:
+                    records = replace(records, label=f"{records.label} (held out)")
+                side.append(_Part(part.format, part.description, records))
+        offset += count
+    name = str(sources)
+    return (
+        _tokenized_dataset(name, sides[0], tokenizer, seq_len, train_on_prompt),
+        _tokenized_dataset(f"{name} (held out)", sides[1], tokenizer, seq_len, train_on_prompt),
+    )
+
+
+def _check_seq_len(seq_len: int) -> None:
     if not isinstance(seq_len, int) or seq_len < 2:
         raise ValueError(f"seq_len must be an integer of at least 2, got {seq_len!r}")
-    records = list(_read_records(path))
-    if not records:
-        raise DataError(f"{path}: no examples (the file is empty or holds only blank lines)")
-    data_format = _common_format(path, records)
-    if data_format == "messages" and not getattr(tokenizer, "chat_template", None):
-        raise DataError(
-            f'{path} holds chat data ("messages") but the tokenizer has no chat template; '
-            'give a model whose tokenizer has one, or write the data as "text" or '
-            '"prompt"+"completion", which need none'
-        )
+
+
+def _read(sources: str | Path, split: str, fields: str | None) -> list[_Part]:
+    mapping = parse_fields(fields)
+    parts = []
+    for source in split_sources(sources):
+        internal, description, records = normalise(read_source(source, split), mapping)
+        parts.append(_Part(internal, description, records))
+    return parts
+
+
+def _tokenized_dataset(
+    name: str, parts: list[_Part], tokenizer: Any, seq_len: int, train_on_prompt: bool
+) -> Dataset:
     special = special_token_ids(tokenizer)
     adds_eos = _adds_eos(tokenizer)
-    examples, truncated, dropped = [], 0, 0
-    for line, record in records:
-        try:
-            pairs = _tokenized(record, data_format, tokenizer, adds_eos)
-        except ValueError as error:
-            raise DataError(f"{path}:{line}: {error}") from error
-        for ids, labels in pairs:
-            labels = [IGNORE_INDEX, *labels[1:seq_len]][: len(ids)]
-            if not any(label != IGNORE_INDEX and label not in special for label in labels):
-                dropped += 1
-                continue
-            truncated += len(ids) > seq_len
-            examples.append(Example(tuple(ids[:seq_len]), tuple(labels)))
+    examples: list[Example] = []
+    counts = []
+    for part in parts:
+        records = part.records
+        if part.format == "messages" and not getattr(tokenizer, "chat_template", None):
+            raise DataError(
+                f"{records.source} holds chat data ({part.description}) but the tokenizer has "
+                "no chat template; give a model whose tokenizer has one, or write the data as "
+                '"text" or "prompt"+"completion", which need none'
+            )
+        kept, truncated, dropped = len(examples), 0, 0
+        for i, record in enumerate(records.rows):
+            try:
+                pairs = _tokenized(record, part.format, tokenizer, adds_eos, train_on_prompt)
+            except ValueError as error:
+                raise DataError(f"{records.where(i)}: {error}") from error
+            for ids, labels in pairs:
+                labels = [IGNORE_INDEX, *labels[1:seq_len]][: len(ids)]
+                if not any(label != IGNORE_INDEX and label not in special for label in labels):
+                    dropped += 1
+                    continue
+                truncated += len(ids) > seq_len
+                examples.append(Example(tuple(ids[:seq_len]), tuple(labels)))
+        counts.append(
+            SourceCounts(records.label, part.description, len(examples) - kept, truncated, dropped)
+        )
     if not examples:
+        dropped = sum(count.dropped for count in counts)
         raise DataError(
-            f"{path}: all {dropped} examples were dropped: none has a labelled token within "
+            f"{name}: all {dropped} examples were dropped: none has a labelled token within "
             f"the first {seq_len} tokens (empty completions or assistant turns, or prompts "
             "that fill the sequence); raise --seq-len or fix the data"
         )
-    return Dataset(path, data_format, seq_len, examples, truncated, dropped)
+    formats = "+".join(dict.fromkeys(part.format for part in parts))
+    total_truncated = sum(count.truncated for count in counts)
+    total_dropped = sum(count.dropped for count in counts)
+    return Dataset(name, formats, seq_len, examples, total_truncated, total_dropped, tuple(counts))
 
 
 def pad_token_id(tokenizer: Any) -> int:
@@ -101,96 +204,16 @@ def pad_token_id(tokenizer: Any) -> int:
     return 0
 
 
-def _read_records(path: Path) -> Iterator[tuple[int, dict]]:
-    """``(line number, JSON object)`` for every non-blank line of ``path``."""
-    try:
-        file = path.open("rb")
-    except OSError as error:
-        raise DataError(f"cannot read the data file {path}: {error.strerror}") from error
-    with file:
-        for number, raw in enumerate(file, start=1):
-            try:
-                line = raw.decode("utf-8-sig" if number == 1 else "utf-8")
-            except UnicodeDecodeError as error:
-                raise DataError(f"{path}:{number}: not UTF-8 text ({error.reason})") from error
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as error:
-                raise DataError(f"{path}:{number}: not valid JSON: {error}") from error
-            if not isinstance(record, dict):
-                raise DataError(
-                    f"{path}:{number}: expected a JSON object, got {type(record).__name__}"
-                )
-            yield number, record
-
-
-def _common_format(path: Path, records: list[tuple[int, dict]]) -> str:
-    """The format all records share, each checked for its fields' types."""
-    first_line, first_format = None, None
-    for line, record in records:
-        try:
-            record_format = _format_of(record)
-        except ValueError as error:
-            raise DataError(f"{path}:{line}: {error}") from error
-        if first_format is None:
-            first_line, first_format = line, record_format
-        elif record_format != first_format:
-            raise DataError(
-                f"{path}:{line}: a {_describe(record_format)} line in a file whose first "
-                f"line ({first_line}) is {_describe(first_format)}; all lines must be one format"
-            )
-    return first_format
-
-
-def _format_of(record: dict) -> str:
-    present = [name for name, keys in FORMAT_FIELDS.items() if any(k in record for k in keys)]
-    if not present:
-        raise ValueError(
-            f'no fields of a known format (keys: {sorted(record)}); expected "text", '
-            '"prompt" and "completion", or "messages"'
-        )
-    if len(present) > 1:
-        raise ValueError(f"fields of more than one format: {' and '.join(present)}")
-    (data_format,) = present
-    for key in FORMAT_FIELDS[data_format]:
-        if key not in record:
-            raise ValueError(f'{_describe(data_format)} line lacks "{key}"')
-        if key != "messages" and not isinstance(record[key], str):
-            raise ValueError(f'"{key}" must be a string, got {type(record[key]).__name__}')
+def _tokenized(
+    record: dict, data_format: str, tokenizer: Any, adds_eos: bool, train_on_prompt: bool
+) -> list:
+    """``(input_ids, labels)`` pairs of one normalised record, before truncation.
+    ``adds_eos``: the tokenizer appends EOS itself, so it is taken off the prompt and
+    not doubled; ``train_on_prompt``: every token is labelled."""
     if data_format == "messages":
-        _check_messages(record["messages"])
-    return data_format
-
-
-def _check_messages(messages: Any) -> None:
-    if not isinstance(messages, list) or not messages:
-        raise ValueError(
-            '"messages" must be a non-empty list of {"role": ..., "content": ...} objects'
-        )
-    for number, message in enumerate(messages, start=1):
-        if not isinstance(message, dict):
-            raise ValueError(f"message {number} is {type(message).__name__}, not an object")
-        for key in ("role", "content"):
-            if not isinstance(message.get(key), str):
-                got = type(message[key]).__name__ if key in message else "nothing"
-                raise ValueError(f'message {number}: "{key}" must be a string, got {got}')
-
-
-def _describe(data_format: str) -> str:
-    return {
-        "text": '"text"',
-        "prompt_completion": '"prompt"+"completion"',
-        "messages": '"messages"',
-    }[data_format]
-
-
-def _tokenized(record: dict, data_format: str, tokenizer: Any, adds_eos: bool) -> list:
-    """``(input_ids, labels)`` pairs of one record, before truncation. ``adds_eos``: the
-    tokenizer appends EOS itself, so it is taken off the prompt and not doubled."""
-    if data_format == "messages":
-        return chat_examples(record["messages"], tokenizer)
+        if train_on_prompt:
+            return [whole_chat_example(record["messages"], tokenizer)]
+        return chat_examples(record["messages"], tokenizer, record["learn_from"])
     eos = [] if tokenizer.eos_token_id is None else [tokenizer.eos_token_id]
     head_text = record["text"] if data_format == "text" else record["prompt"]
     head = tokenizer.encode(head_text, add_special_tokens=True)
@@ -199,7 +222,9 @@ def _tokenized(record: dict, data_format: str, tokenizer: Any, adds_eos: bool) -
     if data_format == "text":
         return [(head + eos, head + eos)]
     completion = tokenizer.encode(record["completion"], add_special_tokens=False)
-    return [(head + completion + eos, [IGNORE_INDEX] * len(head) + completion + eos)]
+    ids = head + completion + eos
+    prompt_labels = head if train_on_prompt else [IGNORE_INDEX] * len(head)
+    return [(ids, prompt_labels + completion + eos)]
 
 
 def _adds_eos(tokenizer: Any) -> bool:

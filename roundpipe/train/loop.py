@@ -27,23 +27,18 @@ from .checkpoints import (
     remove_checkpoint,
 )
 from .disk import SMALL_FILE, writing
+from .hub import ModelSource, resolve_model
 from .model_checks import lora_config
-from .optim import (
-    adopt_options,
-    build_optimizer,
-    build_scheduler,
-    discard_gradients,
-    lr_factor,
-    step_function,
-)
+from .optim import Optimization, adopt_options, build_optimization, discard_gradients, lr_factor
 from .options import TrainOptions, UsageError, changed_options, write_run_yaml
 from .preflight import Prepared
 from .progress import Progress, Silent, StepReport, open_progress
 from .quiet import quiet_transformers
 from .ranks import Ranks
-from .report import METRICS_FILE, PLOT_FILE, MetricsLog, plot_losses
-from .result import result_bytes, result_name, save_result
+from .report import METRICS_FILE, PLOT_FILE, MetricsLog, PendingRows, plot_losses
+from .result import result_bytes, result_name, save_dtype, save_result
 from .stopping import StopRequest, signal_name
+from .trackers import Trackers, open_trackers
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 PLOT_BYTES = 100_000  # about what loss.png takes
@@ -58,13 +53,18 @@ class Outcome:
     stop_signal: int = 0
 
 
-def build_pipe(options: TrainOptions, ranks: Ranks | None = None):
-    """The model of ``options`` as an ``HFRoundPipe``, with the ``GradScaler`` an fp16
-    model trains with (else ``None``). Under ``torchrun`` (``ranks``), data parallel over
-    the world group, whose collectives time out after ``--dist-timeout``."""
+def build_pipe(
+    options: TrainOptions, ranks: Ranks | None = None, source: ModelSource | None = None
+):
+    """The model of ``options`` (in ``source``, else where ``--model`` resolves to) as an
+    ``HFRoundPipe``, with the ``GradScaler`` an fp16 model trains with (else ``None``).
+    Under ``torchrun`` (``ranks``), data parallel over the world group, whose collectives
+    time out after ``--dist-timeout``."""
     from ..cluster import CommOptions
     from ..core.config import RoundPipeRunConfig
     from ..hf.loading import from_pretrained
+
+    source = source or resolve_model(options.model, options.revision)
 
     scaler = torch.amp.GradScaler("cpu") if options.precision == "fp16" else None
     several = {}
@@ -73,7 +73,7 @@ def build_pipe(options: TrainOptions, ranks: Ranks | None = None):
     torch.manual_seed(options.seed)  # the adapters' initialisation (alike on every rank)
     with quiet_transformers():
         pipe = from_pretrained(
-            options.model,
+            source.directory,
             torch_dtype=DTYPES[options.precision],
             lora=lora_config(options),
             devices=options.devices,
@@ -81,22 +81,28 @@ def build_pipe(options: TrainOptions, ranks: Ranks | None = None):
             grad_scaler=scaler,
             **several,
         )
+    pipe.train()  # as Trainer trains: the config's dropout (and --lora-dropout) active
     return pipe, scaler
 
 
 def mean_token_loss(pipe, batches, ranks: Ranks | None = None) -> float:
     """The mean cross-entropy over every label token of ``batches`` (all of its first
-    epoch), without gradients and through the head's chunked loss; the pipe is
-    synchronized first, so the newest weights answer. Under ``torchrun`` rank r
+    epoch), in eval mode, without gradients and through the head's chunked loss; the
+    pipe is synchronized first, so the newest weights answer. Under ``torchrun`` rank r
     evaluates batches r, r + K, ... and the ranks' sums are added (every rank returns
     the whole set's mean)."""
     ranks = ranks or Ranks()
     pipe.synchronize()
+    training = pipe.training
+    pipe.eval()  # as Trainer evaluates: no dropout
     total, count = 0.0, 0
-    for index in range(ranks.rank, batches.steps_per_epoch, ranks.world):
-        tokens = batches.num_label_tokens(index)
-        total += float(pipe.eval_loss(batches.batch(index))) * tokens
-        count += tokens
+    try:
+        for index in range(ranks.rank, batches.steps_per_epoch, ranks.world):
+            tokens = batches.num_label_tokens(index)
+            total += float(pipe.eval_loss(batches.batch(index))) * tokens
+            count += tokens
+    finally:
+        pipe.train(training)
     if ranks.world > 1:
         total, count = ranks.sum([total, count], "the evaluation sums")
     return total / count
@@ -117,6 +123,7 @@ class Run:
         self.output = self.options.output
         self.metrics = MetricsLog(self.output / METRICS_FILE, write=self.main)
         self.progress: Progress | None = None
+        self.trackers = Trackers([])
         self.saved_step: int | None = None
         """The step of the newest checkpoint on disk (None: none yet)."""
 
@@ -135,15 +142,11 @@ class Run:
                 write_run_yaml(o, self.output / "run.yaml")
         for note in self.prepared.notes:
             self.say(note)
-        pipe, scaler = build_pipe(o, self.ranks)
+        pipe, scaler = build_pipe(o, self.ranks, self._source())
         with pipe:
             self.pipe, self.scaler = pipe, scaler
             self.params = list(pipe.optim_parameters())
-            self.optimizer = build_optimizer(self.params, o.lr, o.weight_decay)
-            self.scheduler = build_scheduler(self.optimizer, o.warmup_steps, self.total, o.schedule)
-            self.step_fn = step_function(
-                self.optimizer, self.scheduler, pipe.clip_grad_norm_, o.grad_clip, scaler
-            )
+            self._use(build_optimization(pipe, o, self.total, scaler))
             start = self._resume() if self.prepared.resume_from else self._start_fresh()
             if start.step == self.total:  # stopped while it wrote the result
                 self.say(f"all {self.total} steps are done; writing the {result_name(o.full)}, "
@@ -165,7 +168,7 @@ class Run:
             where = f"{self.ranks.world} processes ({o.devices} each)"
         trainable = sum(p.numel() for p in self.pipe.hf_model.parameters() if p.requires_grad)
         self.say(
-            f"training {'all weights' if o.full else 'a LoRA adapter'} of {o.model.name} "
+            f"training {'all weights' if o.full else 'a LoRA adapter'} of {self._model_name()} "
             f"({trainable:,} trainable parameters) on {where}, "
             f"{o.precision}, steps {start.step + 1}-{self.total}"
         )
@@ -173,10 +176,51 @@ class Run:
             open_progress(self.total, start.step, self.stream) if self.main else Silent()
         )
         try:
-            return self._loop(start)
+            self.trackers = open_trackers(o.trackers(), self.output, o.run_record(), self.main)
+            try:
+                return self._loop(start)
+            finally:
+                self.trackers.close()
+                self.trackers = Trackers([])
         finally:
             self.progress.close()
             self.progress = None
+
+    def _use(self, optimization: Optimization) -> None:
+        """Train with ``optimization``; its step function records the gradient norms
+        that complete the rows waiting in ``self.rows``."""
+        self.optimizer, self.scheduler = optimization.optimizer, optimization.scheduler
+        self.step_fn, self.warmup = optimization.step_fn, optimization.warmup
+        self.rows = PendingRows(optimization.norms.pop)
+
+    def _write_rows(self, every: bool = False) -> None:
+        """Append the rows whose gradient norm is in to ``metrics.jsonl`` and the
+        trackers; with ``every``, first wait for the queued steps, and append all."""
+        if every and self.rows.rows:
+            self.pipe.synchronize()
+        for row in self.rows.ready(every):
+            with self._writing(self.metrics.path, SMALL_FILE):
+                self.metrics.append(row)
+            self.trackers.log(row["step"], row)
+
+    def _load(self, path) -> None:
+        """Load the checkpoint ``path``; one whose optimizer has a single parameter
+        group (written before weight decay spared biases and norms) loads into such an
+        optimizer, which this run then keeps."""
+        try:
+            self.pipe.load_checkpoint(path, self.optimizer, self.scheduler, grad_scaler=self.scaler)
+        except ValueError as error:
+            one = build_optimization(self.pipe, self.options, self.total, self.scaler, False)
+            try:
+                self.pipe.load_checkpoint(
+                    path, one.optimizer, one.scheduler, grad_scaler=self.scaler
+                )
+            except (OSError, ValueError):
+                raise error from None
+            self._use(one)
+            self.say(f"note: {path} holds one AdamW parameter group (an older roundpipe's): "
+                     "this run keeps it, weight decay on every parameter, biases and norm "
+                     "weights included")  # fmt: skip
 
     def _start_fresh(self) -> Position:
         shard = self.ranks.shard
@@ -192,9 +236,7 @@ class Run:
         candidates = self.prepared.resume_from[: 1 if self.ranks.world > 1 else None]
         for found in candidates:
             try:
-                self.pipe.load_checkpoint(
-                    found.path, self.optimizer, self.scheduler, grad_scaler=self.scaler
-                )
+                self._load(found.path)
             except (OSError, ValueError) as error:  # a damaged checkpoint, named
                 if self.ranks.world > 1:
                     raise
@@ -261,13 +303,13 @@ class Run:
         evaluate = o.eval_every is not None and step % o.eval_every == 0
         if self.prepared.eval_batches is not None and (evaluate or step == self.total):
             eval_loss = mean_token_loss(self.pipe, self.prepared.eval_batches, self.ranks)
-        lr = o.lr * lr_factor(index, o.warmup_steps, self.total, o.schedule)
+        lr = o.lr * lr_factor(index, self.warmup, self.total, o.schedule)  # the step's
         record = {"step": step, "loss": loss, "lr": lr, "tokens": position.tokens,
                   "tokens_per_s": tokens_per_s, "elapsed_s": position.elapsed_s}  # fmt: skip
         if eval_loss is not None:
             record["eval_loss"] = eval_loss
-        with self._writing(self.metrics.path, SMALL_FILE):
-            self.metrics.append(record)
+        self.rows.add(record)  # written once the step has measured its gradient norm
+        self._write_rows()
         self.progress.update(StepReport(step, loss, lr, tokens_per_s, eval_loss))
         save = (o.save_every is not None and step % o.save_every == 0) or step == self.total
         if save:
@@ -288,11 +330,13 @@ class Run:
         done = self.scheduler.last_epoch  # the steps that ran
         batches = self.prepared.train_batches
         tokens = before.tokens + sum(batches.num_tokens(i) for i in range(before.step, done))
+        self._write_rows(every=True)
         with self._writing(self.metrics.path, SMALL_FILE):
             self.metrics.keep_until(done)
         return Position(done, tokens, self._elapsed(time.monotonic()))
 
     def _save_checkpoint(self, position: Position) -> None:
+        self._write_rows(every=True)  # the rows up to the checkpoint's step
         path = checkpoint_path(self.output, position.step)
         with self._writing(path, self._checkpoint_bytes()):
             self.pipe.save_checkpoint(
@@ -316,14 +360,24 @@ class Run:
 
     def _plot(self) -> None:
         if self.main:
-            title = self.options.model.name
+            title = self._model_name()
             with self._writing(self.output / PLOT_FILE, PLOT_BYTES):
                 plot_losses(self.metrics.records(), self.output / PLOT_FILE, title=title)
 
+    def _source(self) -> ModelSource:
+        """Where ``--model`` lies (resolved by preflight)."""
+        if self.prepared.source is None:
+            self.prepared.source = resolve_model(self.options.model, self.options.revision)
+        return self.prepared.source
+
+    def _model_name(self) -> str:
+        return self._source().name
+
     def _save_result(self) -> None:
         full = self.options.full
-        with self._writing(self.output, result_bytes(self.pipe, full)):
-            save_result(self.pipe, self.prepared.tokenizer, self.output, self.main)
+        dtype = save_dtype(self.options, self._source().directory)
+        with self._writing(self.output, result_bytes(self.pipe, full, dtype)):
+            save_result(self.pipe, self.prepared.tokenizer, self.output, self.main, dtype)
         self.say(f"saved the {result_name(full)} and its tokenizer to {self.output}")
 
     def _writing(self, path, needed: int):

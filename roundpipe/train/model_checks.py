@@ -3,7 +3,8 @@ its family, every weight file's header against the model (built on the ``meta``
 device, no memory), and that ``--lora-targets`` names modules of it; and the LoRA
 configuration the check and the run share (docs/design.md#checks-before-training).
 
-Each problem is a :class:`~roundpipe.train.options.UsageError` naming the directory.
+Each problem is a :class:`~roundpipe.train.options.UsageError` naming ``--model`` (and,
+for a hub id, the snapshot it resolved to: :mod:`roundpipe.train.hub`).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import Any
 
 from ..hf.families import FAMILIES
 from ..hf.safetensors_io import INDEX_FILE, SINGLE_FILE, CheckpointError
+from .hub import ModelSource
 from .options import TrainOptions, UsageError
 from .quiet import quiet_transformers
 
@@ -20,15 +22,22 @@ WEIGHT_FILES = (SINGLE_FILE, INDEX_FILE)  # what roundpipe.from_pretrained loads
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
 
 
-def check_model(options: TrainOptions) -> Any:
-    """Check ``options.model`` (see the module docstring); returns its config."""
-    model = options.model
-    _check_files(model)
-    config = _config(model)
+def check_model(options: TrainOptions, source: ModelSource) -> Any:
+    """Check ``--model``, found in ``source`` (see the module docstring); returns its
+    config."""
+    model, flag = source.directory, source.describe(str(options.model))
+    if options.save_dtype is not None and not options.full:
+        raise UsageError(
+            f"--save-dtype {options.save_dtype} sets the dtype of a --full model; a LoRA "
+            "adapter is saved as peft saves it (to save a merged model in a dtype: "
+            "roundpipe export --merge --save-dtype)"
+        )
+    _check_files(model, flag, source.hub_id is not None)
+    config = _config(model, flag)
     if config.model_type not in FAMILIES:
         supported = ", ".join(f"{f.name} ({f.model_type})" for f in FAMILIES.values())
         raise UsageError(
-            f"--model {model}: model_type {config.model_type!r} is not a family roundpipe "
+            f"{flag}: model_type {config.model_type!r} is not a family roundpipe "
             f"trains; it trains decoder-only causal LMs of these families: {supported}"
         )
     from ..hf.loading import plan_pretrained
@@ -37,9 +46,9 @@ def check_model(options: TrainOptions) -> Any:
         with quiet_transformers():
             empty, _ = plan_pretrained(model)
     except (CheckpointError, OSError, ValueError) as error:
-        raise UsageError(f"--model {model}: {error}") from error
+        raise UsageError(f"{flag}: {error}") from error
     if not options.full:
-        _check_lora_targets(empty, options)
+        _check_lora_targets(empty, options, source.name)
     return config
 
 
@@ -59,35 +68,42 @@ def lora_config(options: TrainOptions):
     )
 
 
-def _check_files(model: Path) -> None:
+def _check_files(model: Path, flag: str, from_hub: bool) -> None:
     if not model.is_dir():
-        raise UsageError(f"--model {model}: no such directory")
+        raise UsageError(f"{flag}: no such directory")
     if not (model / "config.json").is_file():
-        raise UsageError(f"--model {model}: not a Hugging Face model directory (no config.json)")
+        raise UsageError(f"{flag}: not a Hugging Face model directory (no config.json)")
     if not any((model / name).is_file() for name in WEIGHT_FILES):
+        if from_hub:
+            raise UsageError(
+                f"{flag}: no safetensors weights ({', '.join(WEIGHT_FILES)}) in the "
+                "repository (or not in the cache while HF_HUB_OFFLINE is set); roundpipe "
+                "loads safetensors only: convert a .bin checkpoint with transformers "
+                "(from_pretrained then save_pretrained) and pass that directory"
+            )
         raise UsageError(
-            f"--model {model}: no weights ({', '.join(WEIGHT_FILES)}); the directory has "
+            f"{flag}: no weights ({', '.join(WEIGHT_FILES)}); the directory has "
             f"{sorted(p.name for p in model.iterdir())} (a .bin checkpoint: convert it with "
             "transformers, from_pretrained then save_pretrained)"
         )
     if not any((model / name).is_file() for name in TOKENIZER_FILES):
         raise UsageError(
-            f"--model {model}: no tokenizer (none of {', '.join(TOKENIZER_FILES)}); save it "
+            f"{flag}: no tokenizer (none of {', '.join(TOKENIZER_FILES)}); save it "
             "beside the model with tokenizer.save_pretrained"
         )
 
 
-def _config(model: Path):
+def _config(model: Path, flag: str):
     import transformers
 
     try:
         with quiet_transformers():
             return transformers.AutoConfig.from_pretrained(model)
     except (OSError, ValueError, KeyError) as error:
-        raise UsageError(f"--model {model}: config.json cannot be read: {error}") from error
+        raise UsageError(f"{flag}: config.json cannot be read: {error}") from error
 
 
-def _check_lora_targets(empty, options: TrainOptions) -> None:
+def _check_lora_targets(empty, options: TrainOptions, model_name: str) -> None:
     """Every name in ``--lora-targets`` must name a module (peft ignores those that name
     none as long as one does), and peft must accept the modules named."""
     import peft
@@ -99,7 +115,7 @@ def _check_lora_targets(empty, options: TrainOptions) -> None:
         for target in targets:  # peft's rule for a list: the name, or its last parts
             if not any(name == target or name.endswith(f".{target}") for name in names):
                 raise UsageError(
-                    f"{flag}: {target!r} names no module of {options.model.name} (its "
+                    f"{flag}: {target!r} names no module of {model_name} (its "
                     f"linear layers: {', '.join(_linear_names(empty))})"
                 )
     try:

@@ -9,13 +9,17 @@ is checked later (docs/design.md#train-options).
 from __future__ import annotations
 
 import argparse
-import difflib
-import os
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
+
+from .aliases import JoinedNames, aliases_of, flag, refuse_unknown_options
+from .config_file import read_options
+from .machine import machine_defaults
+from .trackers import check_trackers
+from .usage import UsageError
 
 PRECISIONS = ("bf16", "fp16", "fp32")
 SCHEDULES = ("cosine", "linear", "constant")
@@ -24,10 +28,6 @@ SHAPE_KEYS = ("model", "full", "lora_r", "lora_targets")
 """Options a checkpoint must agree with: they decide which parameters exist."""
 INVOCATION_KEYS = ("config", "demo", "resume", "dist_timeout")
 """Options about how this command was started, not about the run (left out of run.yaml)."""
-
-
-class UsageError(ValueError):
-    """Bad or contradictory options, or inputs that cannot work: exit code 2."""
 
 
 @dataclass(frozen=True)
@@ -149,21 +149,27 @@ OPTIONS: tuple[Option, ...] = (
     Option("packing", None, False, "pack several examples into each sequence", _LENGTH),
     Option("seed", int, 0, "seed of the data order and the adapters' initialisation", _LENGTH),
     Option("lr", float, 2e-4, "peak learning rate (AdamW)", _OPTIM),
-    Option("warmup-steps", int, 0, "steps of linear warm-up to --lr", _OPTIM),
+    Option("warmup-steps", int, 0, "steps of linear warm-up from 0 to --lr", _OPTIM),
     Option(
         "warmup-ratio",
         float,
         None,
-        "warm up over this fraction of the steps (--warmup-steps wins when given)",
+        "warm up over this fraction of the steps, rounded up (a nonzero --warmup-steps wins)",
         _OPTIM,
     ),
     Option("schedule", str, "cosine", "decay to 0 after warm-up, or constant", _OPTIM, SCHEDULES),
     Option("grad-clip", float, 1.0, "clip the gradients' global norm (0: off)", _OPTIM),
-    Option("weight-decay", float, 0.0, "AdamW weight decay", _OPTIM),
+    Option("weight-decay", float, 0.0, "AdamW weight decay (not on biases and norms)", _OPTIM),
     Option("eval-every", int, None, "evaluate every N steps (and at the end)", _SAVE),
     Option("save-every", int, None, "checkpoint every N steps (default: at the end)", _SAVE),
     Option("keep-checkpoints", int, 2, "how many checkpoints/step-N to keep", _SAVE),
-    Option("resume", None, False, "continue from the newest checkpoint in --output", _SAVE),
+    Option(
+        "resume",
+        None,
+        False,
+        "continue from the newest checkpoint in --output, or from checkpoint DIR there",
+        _SAVE,
+    ),
     Option(
         "save-dtype",
         str,
@@ -176,7 +182,7 @@ OPTIONS: tuple[Option, ...] = (
         "report-to",
         str,
         "none",
-        "log the metrics to tensorboard, wandb, trackio (comma list) or none",
+        "also log the metrics to tensorboard, wandb and/or trackio (comma list), or none",
         _SAVE,
     ),
 )
@@ -233,7 +239,7 @@ class TrainOptions:
     eval_every: int | None
     save_every: int | None
     keep_checkpoints: int
-    resume: bool
+    resume: bool | str  # True: the newest checkpoint; a str: that checkpoint directory
     save_dtype: str | None
     report_to: str
 
@@ -242,6 +248,11 @@ class TrainOptions:
         if self.lora_targets == "all-linear":
             return "all-linear"
         return [name.strip() for name in self.lora_targets.split(",") if name.strip()]
+
+    def trackers(self) -> list[str]:
+        """``--report-to`` as a list of names (empty for none)."""
+        names = [name.strip() for name in self.report_to.split(",") if name.strip()]
+        return [] if names == ["none"] else names
 
     def run_record(self) -> dict[str, Any]:
         """The options as plain data (paths as strings), without the invocation's own."""
@@ -255,74 +266,41 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     for option in OPTIONS:
         group = groups.get(option.group) or parser.add_argument_group(option.group)
         groups[option.group] = group
-        help_text = option.help
-        if option.default not in (None, False):
-            help_text += f" (default {option.default})"
-        if option.parse is None:
+        help_text = option.help + _default_text(option.default)
+        if option.key == "resume":  # a flag that may name a checkpoint: --resume [DIR]
+            group.add_argument("--resume", nargs="?", const=True, default=argparse.SUPPRESS,
+                               metavar="DIR", help=help_text)  # fmt: skip
+            group.add_argument("--no-resume", dest="resume", action="store_false",
+                               default=argparse.SUPPRESS, help=argparse.SUPPRESS)  # fmt: skip
+        elif option.parse is None:
             action = argparse.BooleanOptionalAction if option.key != "demo" else "store_true"
             group.add_argument(
                 f"--{option.name}", action=action, default=argparse.SUPPRESS, help=help_text
             )
         else:
+            names = [f"--{option.name}", *(f"--{name}" for name in aliases_of(option.key))]
+            several = {"nargs": "+", "action": JoinedNames} if option.key == "lora_targets" else {}
             group.add_argument(
-                f"--{option.name}",
+                *names,
                 type=option.parse,
                 choices=option.choices,
                 default=argparse.SUPPRESS,
                 help=help_text,
                 metavar=None if option.choices else _METAVARS[option.key],
+                **several,
             )
+    known = [o.name for o in OPTIONS] + [a for o in OPTIONS for a in aliases_of(o.key)]
+    refuse_unknown_options(parser, known)
+
+
+def _default_text(default: Any) -> str:
+    """`` (default 0.0)``; `` (default off)`` for a flag; nothing where there is none."""
+    return "" if default is None else f" (default {'off' if default is False else default})"
 
 
 def read_config(path: Path) -> dict[str, Any]:
     """The options of a YAML file, converted as the command line converts them."""
-    import yaml
-
-    try:
-        loaded = yaml.safe_load(Path(path).read_text())
-    except OSError as error:
-        raise UsageError(f"--config {path}: cannot read it ({error.strerror})") from error
-    except yaml.YAMLError as error:
-        raise UsageError(f"--config {path}: not valid YAML: {error}") from error
-    if loaded is None:
-        return {}
-    if not isinstance(loaded, Mapping):
-        raise UsageError(f"--config {path}: expected a mapping of option names to values")
-    return {key: value for key, value in _converted(loaded, path).items() if value is not None}
-
-
-def _converted(loaded: Mapping, path: Path) -> dict[str, Any]:
-    values: dict[str, Any] = {}
-    for raw_key, value in loaded.items():
-        key = str(raw_key).replace("-", "_")
-        option = _BY_KEY.get(key)
-        if option is None or key == "config":
-            close = difflib.get_close_matches(key, [k for k in _BY_KEY if k != "config"], n=1)
-            hint = f" (did you mean {close[0]!r}?)" if close else ""
-            raise UsageError(f"--config {path}: unknown option {raw_key!r}{hint}")
-        values[key] = None if value is None else _convert(option, value, path)
-    return values
-
-
-def _convert(option: Option, value: Any, path: Path) -> Any:
-    where = f"--config {path}: {option.name}"
-    if option.parse is None:
-        if not isinstance(value, bool):
-            raise UsageError(f"{where} must be true or false, got {value!r}")
-        return value
-    if option.key == "lora_targets" and isinstance(value, list):  # YAML's natural spelling
-        if not all(isinstance(name, str) for name in value):
-            raise UsageError(f"{where} must list module names, got {value!r}")
-        value = ",".join(value)
-    if isinstance(value, (bool, list, dict)):
-        raise UsageError(f"{where} must be a single {option.parse.__name__}, got {value!r}")
-    try:
-        converted = option.parse(str(value))
-    except ValueError as error:
-        raise UsageError(f"{where}: {value!r} is not a valid {option.parse.__name__}") from error
-    if option.choices and converted not in option.choices:
-        raise UsageError(f"{where} must be one of {', '.join(option.choices)}, got {value!r}")
-    return converted
+    return read_options(path, _BY_KEY)
 
 
 def resolve(
@@ -346,25 +324,7 @@ def resolve(
         **{f.name: merged.get(f.name, _BY_KEY[f.name].default) for f in fields(TrainOptions)}
     )
     check(options, given)
-    return with_machine_defaults(options)
-
-
-def with_machine_defaults(options: TrainOptions) -> TrainOptions:
-    """``--devices`` and ``--precision`` when not given: CUDA in bf16 where there is a
-    GPU, else 2 emulated devices (or ``ROUNDPIPE_DEVICES``) in fp32."""
-    import torch
-
-    devices = options.devices
-    if devices is None:
-        cuda = torch.cuda.is_available()
-        devices = "cuda" if cuda else os.environ.get("ROUNDPIPE_DEVICES") or "emulated:2"
-    if devices.strip().startswith("cuda") and not torch.cuda.is_available():
-        raise UsageError(
-            f"--devices {devices}: torch sees no CUDA GPU here; use 'emulated:N' on the CPU"
-        )
-    precision = options.precision
-    if precision is None:
-        precision = "bf16" if devices.strip().startswith("cuda") else "fp32"
+    devices, precision = machine_defaults(options.devices, options.precision)
     return replace(options, devices=devices, precision=precision)
 
 
@@ -381,14 +341,21 @@ def check(options: TrainOptions, given: set[str]) -> None:
         raise UsageError(f"--full trains every weight: it contradicts {names}")
     if o.steps is not None and o.epochs is not None:
         raise UsageError(f"give --steps ({o.steps}) or --epochs ({o.epochs}), not both")
-    if o.eval_every is not None and o.eval_data is None:
-        raise UsageError("--eval-every needs --eval-data (the file to evaluate on)")
+    if o.eval_every is not None and o.eval_data is None and o.eval_split is None:
+        raise UsageError("--eval-every needs --eval-data or --eval-split (the data to evaluate on)")
+    if o.eval_split is not None and o.eval_data is not None:
+        raise UsageError(
+            "give --eval-data (data to evaluate on) or --eval-split (a share of --data held "
+            "out), not both"
+        )
+    if o.eval_split is not None and not 0 < o.eval_split < 1:
+        raise UsageError(f"--eval-split must be a fraction in (0, 1), got {o.eval_split}")
     for key in ("lora_r", "steps", "epochs", "batch_size", "seq_len", "microbatches",
                 "eval_every", "save_every", "keep_checkpoints"):  # fmt: skip
         _check_at_least(key, getattr(o, key), 1)
     for key in ("lr", "lora_alpha", "dist_timeout"):
         if getattr(o, key) <= 0:
-            raise UsageError(f"{_flag(key)} must be positive, got {getattr(o, key)}")
+            raise UsageError(f"{flag(key)} must be positive, got {getattr(o, key)}")
     for key in ("warmup_steps", "grad_clip", "weight_decay"):
         _check_at_least(key, getattr(o, key), 0)
     if not 0 <= o.lora_dropout < 1:
@@ -406,16 +373,15 @@ def check(options: TrainOptions, given: set[str]) -> None:
         raise UsageError(f"--precision must be one of {', '.join(PRECISIONS)}")
     if o.schedule not in SCHEDULES:
         raise UsageError(f"--schedule must be one of {', '.join(SCHEDULES)}")
+    if o.warmup_ratio is not None and not 0 <= o.warmup_ratio <= 1:
+        raise UsageError(f"--warmup-ratio must be a fraction in [0, 1], got {o.warmup_ratio}")
+    check_trackers(o.trackers())
 
 
 def _check_at_least(key: str, value: float | None, least: int) -> None:
     if value is not None and value < least:
         kind = "a positive number" if least == 1 else "zero or more"
-        raise UsageError(f"{_flag(key)} must be {kind}, got {value}")
-
-
-def _flag(key: str) -> str:
-    return "--" + key.replace("_", "-")
+        raise UsageError(f"{flag(key)} must be {kind}, got {value}")
 
 
 def write_run_yaml(options: TrainOptions, path: Path) -> None:

@@ -18,9 +18,11 @@ from .checkpoints import (
     Found,
     check_compatible,
     common_checkpoints,
+    named_checkpoint,
     resumable_checkpoints,
     saved_worlds,
 )
+from .hub import ModelSource, local_spelling, resolve_model
 from .model_checks import check_model
 from .options import TrainOptions, UsageError
 from .ranks import Ranks
@@ -40,12 +42,13 @@ REQUIRED_PACKAGES = (
 class Prepared:
     """A run ready to start: resolved options, tokenizer, data and where it begins."""
 
-    options: TrainOptions  # model, data and output absolute; seq_len filled in
+    options: TrainOptions  # model as given (a local one absolute), output absolute; seq_len filled
     tokenizer: Any
     train_batches: Any  # roundpipe.train.batches.Batches
     eval_batches: Any | None
     total_steps: int
     notes: list[str]  # what to tell the user before training starts
+    source: ModelSource | None = None  # where --model lies: its directory, a hub snapshot
     resume_from: list[Found] = field(default_factory=list)  # newest first; [] if new
     finished: bool = False
     """The newest checkpoint is at the last step and the result is written: nothing to do."""
@@ -57,9 +60,7 @@ def check_packages() -> None:
 
     missing = [pip for module, pip in REQUIRED_PACKAGES if importlib.util.find_spec(module) is None]
     if missing:
-        raise UsageError(
-            f"roundpipe train needs {', '.join(missing)}: {install_hint('train')}"
-        )
+        raise UsageError(f"roundpipe train needs {', '.join(missing)}: {install_hint('train')}")
 
 
 def prepare(options: TrainOptions, ranks: Ranks | None = None) -> Prepared:
@@ -96,28 +97,26 @@ def find_start(prepared: Prepared, ranks: Ranks | None = None) -> Prepared:
 def _prepare(options: TrainOptions, ranks: Ranks) -> Prepared:
     options = replace(
         options,
-        model=Path(options.model).absolute(),
-        data=Path(options.data).absolute(),
+        model=local_spelling(options.model),
+        data=_data_sources(options.data),
         output=Path(options.output).absolute(),
-        eval_data=None if options.eval_data is None else Path(options.eval_data).absolute(),
+        eval_data=None if options.eval_data is None else _data_sources(options.eval_data),
     )
     _check_resume(options.output, options.resume)
-    config = check_model(options)
+    source = resolve_model(options.model, options.revision)
+    config = check_model(options, source)
     max_positions = getattr(config, "max_position_embeddings", None)
     options = replace(options, seq_len=_seq_len(options.seq_len, max_positions))
-    tokenizer = _tokenizer(options.model)
+    tokenizer = _tokenizer(source, str(options.model))
     notes: list[str] = []
-    train_batches = _batches(options, tokenizer, options.data, options.packing, notes)
-    eval_batches = None
-    if options.eval_data is not None:
-        eval_batches = _batches(options, tokenizer, options.eval_data, False, notes)
+    train_batches, eval_batches = _batches(options, tokenizer, notes)
     epochs = options.epochs if options.steps is None else None
     total = options.steps or (epochs or 1) * train_batches.steps_per_epoch
     _check_rows(train_batches, total, ranks.world)
-    return Prepared(options, tokenizer, train_batches, eval_batches, total, notes)
+    return Prepared(options, tokenizer, train_batches, eval_batches, total, notes, source)
 
 
-def _check_resume(output: Path, resume: bool) -> None:
+def _check_resume(output: Path, resume: bool | str) -> None:
     """Before the lock on ``output`` creates it."""
     if resume and not output.exists():
         raise UsageError(f"--resume: no checkpoint in {output} (no such directory)")
@@ -135,7 +134,11 @@ def _find_start(prepared: Prepared, ranks: Ranks) -> Prepared:
             )
         notes.append("starting the demo over: the checkpoints of the earlier run are removed")
     resume_from: list[Found] = []
-    if options.resume:
+    if isinstance(options.resume, str):  # --resume DIR: that checkpoint, no other
+        named = Path(options.resume)
+        resume_from = [named_checkpoint(options.output, named, options, ranks.shard)]
+        _check_resume_step(resume_from[0], prepared.total_steps)
+    elif options.resume:
         resume_from, damaged = resumable_checkpoints(options.output, options, ranks.shard)
         notes += [f"warning: {reason}; resuming from an older checkpoint" for reason in damaged]
         _check_resume_step(resume_from[0], prepared.total_steps)
@@ -197,33 +200,76 @@ def _seq_len(given: int | None, max_positions: int | None) -> int:
     return given
 
 
-def _tokenizer(model: Path):
+def _tokenizer(source: ModelSource, spelling: str):
     import transformers
 
     try:
-        return transformers.AutoTokenizer.from_pretrained(model)
+        return transformers.AutoTokenizer.from_pretrained(source.directory)
     except (OSError, ValueError, KeyError, TypeError) as error:
-        raise UsageError(f"--model {model}: the tokenizer cannot be loaded: {error}") from error
+        raise UsageError(
+            f"{source.describe(spelling)}: the tokenizer cannot be loaded: {error}"
+        ) from error
 
 
-def _batches(options: TrainOptions, tokenizer, path: Path, packing: bool, notes: list[str]):
-    from .batches import Batches
-    from .data import DataError, load_dataset, pad_token_id
+def _data_sources(sources) -> str:
+    """``--data`` or ``--eval-data``: each existing local path absolute, hub ids as given."""
+    from .sources import DataError, resolve_sources
 
     try:
-        dataset = load_dataset(path, tokenizer, options.seq_len)
+        return resolve_sources(sources)
     except DataError as error:
         raise UsageError(str(error)) from error
-    total = len(dataset.examples) + dataset.dropped
-    if dataset.truncated:
-        notes.append(
-            f"{path.name}: {dataset.truncated} of {total} examples truncated to "
-            f"{options.seq_len} tokens"
-        )
-    if dataset.dropped:
-        notes.append(
-            f"{path.name}: {dataset.dropped} of {total} examples dropped (no labelled token "
-            f"within {options.seq_len} tokens)"
-        )
+
+
+def _batches(options: TrainOptions, tokenizer, notes: list[str]):
+    """The training batches and the evaluation's (None without ``--eval-data`` or
+    ``--eval-split``); what was truncated or dropped goes to ``notes``, by source."""
+    from .batches import Batches
+    from .data import DataError, load_dataset, load_held_out, pad_token_id
+
+    reading = {
+        "split": options.data_split,
+        "fields": options.data_fields,
+        "train_on_prompt": options.train_on_prompt,
+    }
+    try:
+        if options.eval_split is not None:
+            train, held_out = load_held_out(
+                options.data,
+                tokenizer,
+                options.seq_len,
+                options.eval_split,
+                options.seed,
+                **reading,
+            )
+            notes.append(
+                f"--eval-split {options.eval_split}: {len(held_out.examples)} examples held out "
+                f"for evaluation, {len(train.examples)} to train on (seed {options.seed})"
+            )
+        else:
+            train = load_dataset(options.data, tokenizer, options.seq_len, **reading)
+            held_out = None
+            if options.eval_data is not None:
+                held_out = load_dataset(options.eval_data, tokenizer, options.seq_len, **reading)
+    except DataError as error:
+        raise UsageError(str(error)) from error
     pad_id = pad_token_id(tokenizer)
-    return Batches(dataset, options.batch_size, options.seed, packing=packing, pad_id=pad_id)
+    batches = []
+    for dataset, packing in ((train, options.packing), (held_out, False)):
+        if dataset is None:
+            batches.append(None)
+            continue
+        for counts in dataset.sources:
+            total = counts.examples + counts.dropped
+            if counts.truncated:
+                notes.append(
+                    f"{counts.label}: {counts.truncated} of {total} examples truncated to "
+                    f"{options.seq_len} tokens"
+                )
+            if counts.dropped:
+                notes.append(
+                    f"{counts.label}: {counts.dropped} of {total} examples dropped (no labelled "
+                    f"token within {options.seq_len} tokens)"
+                )
+        batches.append(Batches(dataset, options.batch_size, options.seed, packing, pad_id))
+    return tuple(batches)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +59,33 @@ class MetricsLog:
         tmp = self.path.with_name(self.path.name + ".tmp")
         tmp.write_text("".join(json.dumps(r) + "\n" for r in records))
         os.replace(tmp, self.path)
+
+
+class PendingRows:
+    """Rows of ``metrics.jsonl`` waiting for their step's gradient norm: asynchronous
+    steps run behind the loop, so step N's row is complete only once step N's step
+    function has measured it (``norm_of(N)``, None until then). Rows leave in order."""
+
+    def __init__(self, norm_of: Callable[[int], float | None]) -> None:
+        self.norm_of = norm_of
+        self.rows: list[dict[str, Any]] = []
+
+    def add(self, record: dict[str, Any]) -> None:
+        self.rows.append(record)
+
+    def ready(self, every: bool = False) -> list[dict[str, Any]]:
+        """The rows whose norm is in, each with its ``grad_norm`` after ``lr``; with
+        ``every``, all of them (``grad_norm`` None where a norm is missing)."""
+        done = []
+        while self.rows:
+            norm = self.norm_of(self.rows[0]["step"])
+            if norm is None and not every:
+                break
+            row = self.rows.pop(0)
+            position = list(row).index("lr") + 1
+            items = list(row.items())
+            done.append(dict([*items[:position], ("grad_norm", norm), *items[position:]]))
+        return done
 
 
 def plot_losses(records: list[dict[str, Any]], path: Path, title: str = "") -> None:

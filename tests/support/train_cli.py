@@ -46,9 +46,10 @@ def checkpoint_steps(output: Path) -> list[int]:
 
 
 def reference_schedule(step: int, warmup: int, total: int, peak: float) -> float:
-    """Linear warm-up from peak/(warmup+1), then a cosine decay that reaches 0 at total."""
+    """Linear warm-up from 0 (Trainer's: peak * step / warmup), then a cosine decay that
+    reaches 0 at total."""
     if step < warmup:
-        return peak * (step + 1) / (warmup + 1)
+        return peak * step / warmup
     return peak * 0.5 * (1 + math.cos(math.pi * (step - warmup) / (total - warmup)))
 
 

@@ -9,17 +9,16 @@ backend". Threads start on first use, never at import.
 from __future__ import annotations
 
 import contextlib
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from ...core.program import ACT_UPLOAD, DOWNLOAD, STREAMS, WEIGHT_UPLOAD
 from ..base import (
     MAPPED_FILE_ATTR,
-    RANDOM_KINDS,
     Device,
     DevicePool,
     OpInfo,
@@ -32,11 +31,8 @@ from ..host_blocks import DEFAULT_CACHE_BYTES, HostBlockPool
 from .executor import DeviceExecutor, SpanSink
 from .link import CopyEngine, HostBus, Tickets, sleep_until
 from .memory import ComputeAllocations, DeviceMemory
+from .random import seeded
 from .stream import RUNNING, EmulatedStream, HostEvent, StreamContext, WallClockTimer
-
-# The CPU generator is one per process, so is the lock that makes "capture RNG
-# state, then draw from it" atomic across emulated devices (and across pools).
-_CPU_RNG_LOCK = threading.RLock()
 
 
 @dataclass(frozen=True)
@@ -150,8 +146,6 @@ class EmulatedDevice(Device):
 
     def compute_scope(self, info: OpInfo) -> contextlib.AbstractContextManager[None]:
         scope = contextlib.ExitStack()
-        if info.kind in RANDOM_KINDS:
-            scope.enter_context(_CPU_RNG_LOCK)
         count = self.options.count_compute_memory
         if count or (count is None and self.memory.capacity is not None):
             scope.enter_context(ComputeAllocations(self.memory, RUNNING.stream))
@@ -173,6 +167,9 @@ class EmulatedDevice(Device):
         if isinstance(capacity, (tuple, list)):
             return capacity[self.index]
         return capacity
+
+    def random_scope(self, seed: int, module: Any) -> contextlib.AbstractContextManager[None]:
+        return seeded(seed, module)
 
     def get_rng_state(self) -> torch.Tensor:
         return torch.get_rng_state()

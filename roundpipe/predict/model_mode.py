@@ -1,0 +1,235 @@
+"""``roundpipe simulate --model`` / ``--config``: predict a real model on a GPU preset and
+explain it: each schedule's tokens/s and fit, RoundPipe's host RAM and per-GPU memory
+term by term (:mod:`.breakdown`), and, when it does not fit, the nearest configuration
+that does (:mod:`.nearest`). Host RAM is judged against ``--host-ram``, else against
+this machine's RAM, and the output says which.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+
+from .breakdown import MemoryFit
+from .gpus import GIB, Gpu, gpu_preset
+from .model_specs import ModelSpec, model_preset
+from .models import Prediction, Workload, max_seq_len, predict
+from .nearest import Suggestion, nearest_fit
+from .nodes import Network, NodesPrediction, predict_nodes, scaling_table
+
+THIS_MACHINE = "this machine"
+HOST_RAM_FLAG = "--host-ram"
+_ROWS = (
+    ("weights", "weights"),
+    ("spare", "spare"),
+    ("prefetched_weights", "prefetched weights"),
+    ("masters", "masters"),
+    ("gradients", "gradients"),
+    ("optimizer_state", "optimizer state"),
+    ("saved_activations", "saved activations"),
+    ("pinned_buffers", "pinned buffers"),
+    ("total", "total"),
+)
+
+
+def run_model_mode(args: argparse.Namespace, schedules: tuple[str, ...]) -> int:
+    spec = _model_spec(args)
+    work = _workload(args)
+    gpu = gpu_preset(args.gpu)
+    if args.max_seq_len:
+        longest = max_seq_len(spec, gpu, work)
+        if args.json:
+            print(json.dumps({"model": spec.name, "gpu": gpu.name, "max_seq_len": longest}))
+        else:
+            print(f"{spec.name} on {gpu.name}: up to {longest} tokens at batch 1")
+        return 0
+    host_ram, source = _host_ram(args)
+    if args.nodes is not None or args.scaling:
+        return _predict_nodes(args, spec, gpu, work, host_ram, source)
+    predictions = predict(spec, gpu, work, args.gpus, schedules=schedules, host_ram=host_ram)
+    if not args.json:
+        active = f", {spec.active_params / 1e9:.2f}B active" if spec.is_moe else ""
+        lora = f", LoRA rank {args.lora}" if args.lora else ""
+        print(
+            f"{spec.name} ({spec.num_params / 1e9:.2f}B params{active}{lora}) on {args.gpus}x "
+            f"{gpu.name} ({args.precision}), seq {args.seq_len}, batch {args.batch}"
+        )
+        print(_source_line(host_ram, source, args.host_ram))
+    for prediction in predictions:
+        suggestion = None
+        if prediction.memory is not None:
+            suggestion = nearest_fit(spec, gpu, work, args.gpus, host_ram, prediction.memory)
+        _print_prediction(prediction, suggestion, source, args.json)
+    return 0
+
+
+def _model_spec(args: argparse.Namespace) -> ModelSpec:
+    if not args.config:
+        return model_preset(args.model)
+    try:
+        config = json.loads(args.config.read_text())
+    except OSError as error:
+        raise ValueError(f"cannot read the model config {args.config}: {error.strerror}") from None
+    except json.JSONDecodeError as error:
+        raise ValueError(f"the model config {args.config} is not JSON: {error}") from None
+    return ModelSpec.from_config(config)
+
+
+def _workload(args: argparse.Namespace) -> Workload:
+    """``--microbatches M`` splits the batch into M microbatches (default: one sequence
+    each)."""
+    count = args.microbatches or args.batch
+    if count > args.batch or args.batch % count:
+        divisors = [d for d in range(1, args.batch + 1) if args.batch % d == 0]
+        raise ValueError(
+            f"--microbatches {count} does not split --batch {args.batch} evenly; "
+            f"give one of {', '.join(map(str, divisors))}"
+        )
+    return Workload(
+        seq_len=args.seq_len,
+        batch=args.batch,
+        microbatch_size=args.batch // count,
+        mfu=args.mfu,
+        precision=args.precision,
+        lora_rank=args.lora or 0,
+        host_bandwidth=args.host_bandwidth * 1e9,
+        pcie=args.pcie,
+        round_size=args.round_size,
+    )
+
+
+def _host_ram(args: argparse.Namespace) -> tuple[int | None, str]:
+    """The host RAM to judge against, and where it came from."""
+    if args.host_ram:
+        return int(args.host_ram * 1e9), HOST_RAM_FLAG
+    return machine_ram(), THIS_MACHINE
+
+
+def machine_ram() -> int | None:
+    """This machine's physical RAM in bytes (``None`` where neither sysconf nor
+    /proc/meminfo tells)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        pass
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) * 1024  # kB
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _source_line(host_ram: int | None, source: str, flag_gb: float | None) -> str:
+    if source == HOST_RAM_FLAG:
+        return f"host RAM: {_gib_short(host_ram)} GiB ({HOST_RAM_FLAG} {flag_gb:g} GB)"
+    if host_ram is None:
+        return f"host RAM: unknown on this machine (give {HOST_RAM_FLAG} to judge it)"
+    return (
+        f"host RAM: this machine's {_gib_short(host_ram)} GiB "
+        f"(give {HOST_RAM_FLAG} for the target server)"
+    )
+
+
+def _predict_nodes(
+    args, spec: ModelSpec, gpu: Gpu, work: Workload, host_ram: int | None, source: str
+) -> int:
+    nodes = 1 if args.nodes is None else args.nodes
+    network = Network(nodes, args.network_gbps, args.grad_reduce_dtype)
+    if args.scaling:
+        rows = scaling_table(spec, gpu, work, args.gpus, network, host_ram)
+    else:
+        rows = [predict_nodes(spec, gpu, work, args.gpus, network, host_ram)]
+    if not args.json:
+        print(
+            f"{spec.name} on nodes of {args.gpus}x {gpu.name} ({args.precision}), "
+            f"{args.network_gbps:g} Gb/s, {args.grad_reduce_dtype} gradient reduction, "
+            f"seq {args.seq_len}, global batch {args.batch}"
+        )
+        print(_source_line(host_ram, source, args.host_ram))
+    for row in rows:
+        _print_nodes(row, source, args.json)
+    return 0
+
+
+def _print_nodes(p: NodesPrediction, source: str, as_json: bool) -> None:
+    if as_json:
+        row = p.to_dict()
+        if isinstance(row.get("host_ram"), dict):
+            row["host_ram"]["source"] = source
+        print(json.dumps(row))
+        return
+    host = (
+        "" if p.host_ram_per_node is None else f"  host RAM/node {_gib(p.host_ram_per_node, 1)} GiB"
+    )
+    print(
+        f"{p.nodes:3d} nodes {p.tokens_per_s:9.0f} tokens/s  efficiency {p.scaling_efficiency:6.1%}"
+        f"  iteration {p.iteration_time:6.2f} s  comm {p.comm_time:6.2f} s"
+        f" ({p.exposed_comm:.2f} s exposed){host}"
+    )
+
+
+def _print_prediction(
+    p: Prediction, suggestion: Suggestion | None, source: str, as_json: bool
+) -> None:
+    if as_json:
+        row = p.to_dict()
+        if p.memory is not None:
+            row["host_ram"]["source"] = source
+            row["suggestion"] = None if suggestion is None else suggestion.to_dict()
+        print(json.dumps(row))
+        return
+    longest = "" if p.max_seq_len is None else f"  max seq {p.max_seq_len}"
+    if p.memory is not None and p.memory.plan is None:
+        print(f"{p.schedule:17s} does not fit the GPUs: {p.detail}{longest}")
+    else:
+        gpu = _fit_text(p.fits, p.gpu_memory, p.gpu_budget)
+        host = (
+            ""
+            if p.host_ram is None or p.host_ram_budget is None
+            else f"  host RAM {_fit_text(p.host_ram_fits, p.host_ram, p.host_ram_budget)}"
+        )
+        print(
+            f"{p.schedule:17s} {p.tokens_per_s:10.0f} tokens/s  GPU {gpu}{host}{longest}  "
+            f"[{p.detail}]"
+        )
+    if p.memory is not None:
+        for line in memory_table(p.memory):
+            print(f"  {line}")
+        if suggestion is not None:
+            print(f"  suggestion: {suggestion.text}")
+
+
+def memory_table(memory: MemoryFit) -> list[str]:
+    """RoundPipe's host RAM and fullest GPU term by term, in GiB."""
+    host, device = memory.host.to_dict(None), memory.device.to_dict(None)
+    title = "memory, GiB" if memory.plan is not None else "memory, GiB (finest plan)"
+    lines = [f"{title:26s}{'host RAM':>10s}{'per GPU':>10s}"]
+    for key, label in _ROWS:
+        cells = [_gib(terms[key], 2) if key in terms else "-" for terms in (host, device)]
+        lines.append(f"{label:26s}{cells[0]:>10s}{cells[1]:>10s}")
+    budgets = [memory.host_budget, memory.gpu]
+    usable = [_gib(b.available, 2) if b else "-" for b in budgets]
+    shares = ", ".join(
+        f"{b.usable_fraction:.0%} of {_gib_short(b.capacity)} GiB" for b in budgets if b
+    )
+    lines.append(f"{'usable':26s}{usable[0]:>10s}{usable[1]:>10s}  ({shares})")
+    return lines
+
+
+def _fit_text(fits: bool | None, need: int, budget: int | None) -> str:
+    if budget is None:
+        return f"needs {_gib(need, 1)} GiB"
+    verdict = "fits" if fits else "does not fit"
+    return f"{verdict}: needs {_gib(need, 1)} GiB of {_gib(budget, 1)} GiB"
+
+
+def _gib(num_bytes: int, digits: int) -> str:
+    return f"{num_bytes / GIB:.{digits}f}"
+
+
+def _gib_short(num_bytes: int | None) -> str:
+    return f"{round((num_bytes or 0) / GIB, 1):g}"
