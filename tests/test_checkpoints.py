@@ -16,8 +16,8 @@ CONFIG = RoundPipeRunConfig(num_microbatch=3, execute_plan="3,3|2,2,1,3")
 
 
 def mlp8(seed: int) -> nn.Sequential:
-    # No dropout: emulated devices share the CPU generator, so the order in which
-    # concurrent ops on different devices draw from it varies from run to run.
+    # No dropout: these tests check the state a checkpoint restores, not random draws
+    # (tests/test_dropout_determinism.py resumes a model with dropout).
     torch.manual_seed(seed)
     return nn.Sequential(
         nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(),

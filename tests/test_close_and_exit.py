@@ -59,7 +59,7 @@ def wait_until(condition: Callable[[], bool], seconds: float) -> bool:
 
 EXIT_CHILD = os.path.join(CHILDREN, "exit_in_flight.py")
 EXIT_CODES = {"end": 0, "raise": 1, "exit3": 3}
-EXIT_RUNS = 10
+EXIT_RUNS = 6
 EXIT_LIMIT_S = 45.0
 
 

@@ -224,3 +224,18 @@ def test_the_console_script_runs_the_train_command():
         pytest.skip("the roundpipe console script is not installed in this environment")
     done = subprocess.run([script, "train", "--help"], capture_output=True, text=True)
     assert done.returncode == 0 and "--lora-targets" in done.stdout and "--resume" in done.stdout
+
+
+def test_the_run_yaml_of_a_full_run_works_as_its_config(tmp_path):
+    """It records no LoRA options (``--full`` refuses them); a checkpoint of an earlier
+    full run, whose record holds them, still resumes."""
+    from roundpipe.train.checkpoints import Found, Position, check_compatible
+    from roundpipe.train.options import read_config, resolve, write_run_yaml
+
+    options = resolve({"model": "m", "data": "d", "output": tmp_path, "full": True})
+    write_run_yaml(options, tmp_path / "run.yaml")
+    config = read_config(tmp_path / "run.yaml")
+    assert not [key for key in config if key.startswith("lora_")]
+    assert resolve({}, config) == options
+    earlier = {**options.run_record(), "lora_r": 16, "lora_targets": "all-linear"}
+    check_compatible(Found(tmp_path, Position(1, 0, 0.0), earlier, 1), options)

@@ -239,10 +239,7 @@ def reference_run(output, tmp_path, stale: bool):
     from roundpipe.train.options import read_config, resolve
     from roundpipe.train.preflight import prepare
 
-    config = read_config(output / "run.yaml")
-    if config["full"]:  # run.yaml records the LoRA options, which --full refuses
-        config = {k: v for k, v in config.items() if not k.startswith("lora_")}
-    options = resolve({"output": tmp_path}, config)
+    options = resolve({"output": tmp_path}, read_config(output / "run.yaml"))
     prepared = prepare(options)
     model = transformers.AutoModelForCausalLM.from_pretrained(options.model, dtype=torch.float32)
     if not options.full:

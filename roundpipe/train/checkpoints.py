@@ -240,7 +240,8 @@ def common_checkpoints(mine: list[Found], every_rank: list[list[tuple[int, int]]
 def check_compatible(found: Found, options: TrainOptions) -> None:
     """A :class:`UsageError` unless ``found`` trains the parameters ``options`` would."""
     path, saved, now = found.path, found.options, options.run_record()
-    differ = [key for key in SHAPE_KEYS if saved.get(key) != now.get(key)]
+    keys = [key for key in SHAPE_KEYS if not (now["full"] and key.startswith("lora_"))]
+    differ = [key for key in keys if saved.get(key) != now.get(key)]
     if differ:
         details = "; ".join(
             f"--{key.replace('_', '-')} {saved.get(key)!r} there, {now.get(key)!r} here"

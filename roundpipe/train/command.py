@@ -16,15 +16,17 @@ from .disk import NoSpace
 from .options import OPTIONS, UsageError, add_arguments, read_config, resolve
 
 DESCRIPTION = """\
-Fine-tune a local Hugging Face causal LM on a JSONL file.
+Fine-tune a Hugging Face causal LM (a local directory or a hub id) on your data
+(JSONL, JSON, Parquet or CSV files, a datasets directory or a hub dataset id).
 
-  roundpipe train --model DIR --data FILE.jsonl --output DIR [options]
+  roundpipe train --model DIR|ORG/NAME --data SOURCES --output DIR [options]
   roundpipe train --demo [--output DIR]
 
 LoRA by default (--full trains every weight). --output receives the adapter (or the
 model) with its tokenizer, run.yaml (the resolved options, usable as --config),
 metrics.jsonl, loss.png and checkpoints/step-N; --resume continues from the newest
-checkpoint there (a finished run: nothing to do). Ctrl-C, SIGTERM and SIGHUP stop
+checkpoint there (a finished run: nothing to do), --resume DIR from that checkpoint;
+roundpipe export turns a checkpoint into a model or adapter. Ctrl-C, SIGTERM and SIGHUP stop
 after the current step (a second Ctrl-C at once), write a checkpoint and exit with code
 128 + the signal's number (130 for Ctrl-C). One run at a time writes an --output (a
 second exits with code 2). Bad options or inputs exit with code 2 before anything is

@@ -108,7 +108,7 @@ def export(checkpoint: Path, output: Path, merge: bool = False, dtype_name: str 
 def _save_dtype(options: TrainOptions, base: Path, merge: bool, name: str | None):
     """The dtype of the saved model: ``--save-dtype``, else (merged) the base model's
     or (``--full``) the run's; ``None`` for an adapter, which peft saves as it is."""
-    from .result import SAVE_DTYPES, save_dtype, stored_dtype
+    from .result import DTYPES, save_dtype, stored_dtype
 
     if name is not None and not (merge or options.full):
         raise UsageError(
@@ -116,7 +116,7 @@ def _save_dtype(options: TrainOptions, base: Path, merge: bool, name: str | None
             "peft saves it (add --merge for a merged model in that dtype)"
         )
     if name is not None:
-        return SAVE_DTYPES[name]
+        return DTYPES[name]
     return stored_dtype(base) if merge else save_dtype(options, base)
 
 

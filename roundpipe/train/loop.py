@@ -36,11 +36,10 @@ from .progress import Progress, Silent, StepReport, open_progress
 from .quiet import quiet_transformers
 from .ranks import Ranks
 from .report import METRICS_FILE, PLOT_FILE, MetricsLog, PendingRows, plot_losses
-from .result import result_bytes, result_name, save_dtype, save_result
+from .result import DTYPES, result_bytes, result_name, save_dtype, save_result
 from .stopping import StopRequest, signal_name
 from .trackers import Trackers, open_trackers
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 PLOT_BYTES = 100_000  # about what loss.png takes
 
 

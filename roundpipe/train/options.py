@@ -255,8 +255,11 @@ class TrainOptions:
         return [] if names == ["none"] else names
 
     def run_record(self) -> dict[str, Any]:
-        """The options as plain data (paths as strings), without the invocation's own."""
+        """The options as plain data (paths as strings), without the invocation's own
+        (nor, with ``--full``, the LoRA options: ``run.yaml`` must work as ``--config``)."""
         record = {k: v for k, v in asdict(self).items() if k not in INVOCATION_KEYS}
+        if self.full:
+            record = {k: v for k, v in record.items() if not k.startswith("lora_")}
         return {k: str(v) if isinstance(v, Path) else v for k, v in record.items()}
 
 

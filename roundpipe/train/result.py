@@ -19,7 +19,8 @@ import torch
 from ..hf.safetensors_io import checkpoint_tensors, read_header
 from .quiet import quiet_transformers
 
-SAVE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+"""The dtype of each ``--precision`` and ``--save-dtype`` name."""
 
 
 def result_name(full: bool) -> str:
@@ -42,7 +43,7 @@ def save_dtype(options, base: Path) -> torch.dtype | None:
     if not options.full:
         return None
     if options.save_dtype is not None:
-        return SAVE_DTYPES[options.save_dtype]
+        return DTYPES[options.save_dtype]
     return stored_dtype(base)
 
 

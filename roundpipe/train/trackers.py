@@ -18,6 +18,7 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
+from ..errors import install_hint
 from .usage import UsageError
 
 TRACKERS = ("tensorboard", "wandb", "trackio")
@@ -42,8 +43,7 @@ def check_trackers(names: list[str]) -> None:
             )
         if importlib.util.find_spec(name) is None:
             raise UsageError(
-                f"--report-to {name}: the {name} package is not installed "
-                f"(pip install -e '.[{name}]')"
+                f"--report-to {name}: the {name} package is not installed: {install_hint(name)}"
             )
 
 
