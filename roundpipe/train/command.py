@@ -56,7 +56,7 @@ def add_train_parser(commands: Any) -> argparse.ArgumentParser:
     """Register ``train`` on the ``roundpipe`` command's subparsers."""
     parser = commands.add_parser(
         "train",
-        help="fine-tune a Hugging Face causal LM on a JSONL file",
+        help="fine-tune a Hugging Face causal LM (LoRA or full) on your data",
         description=DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
