@@ -64,7 +64,7 @@ DEMO_OPTIONS = {
     "seq_len": 128,
     "microbatches": 2,
     "lr": 5e-3,
-    "warmup_steps": 30,
+    "warmup_steps": 40,
     "schedule": "cosine",
     "eval_every": 50,
     "save_every": 150,
