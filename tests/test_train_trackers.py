@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import struct
 import subprocess
 import sys
@@ -120,7 +121,11 @@ def test_a_tracker_whose_package_is_missing_is_refused_naming_the_extra(monkeypa
         importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a)
     )
     with pytest.raises(
-        UsageError, match=r"the wandb package is not installed \(pip install -e '\.\[wandb\]'\)"
+        UsageError,
+        match=re.escape(
+            "the wandb package is not installed: pip install 'roundpipe-ft[wandb]' "
+            "(from a checkout: pip install -e '.[wandb]')"
+        ),
     ):
         resolve(given(report_to="wandb"))
 

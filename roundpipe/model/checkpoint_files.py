@@ -66,10 +66,9 @@ def contents(
             tensors["masters"][f"grad/{name}"] = master.grad
     if optimizer is not None:
         tensors["optimizer"], state["optimizer"] = optimizer_part.split(optimizer)
-    if lr_scheduler is not None:
-        state["lr_scheduler"] = lr_scheduler.state_dict()
-    if grad_scaler is not None:
-        state["grad_scaler"] = grad_scaler.state_dict()
+    for key, given in (("lr_scheduler", lr_scheduler), ("grad_scaler", grad_scaler)):
+        if given is not None:  # a scheduler over a tensor lr holds tensors
+            state[key] = optimizer_part.tensors_to_json(given.state_dict())
     try:
         encoded = json.dumps(state)
     except (TypeError, ValueError) as exc:
@@ -163,7 +162,10 @@ def read(
                 f"{file} holds no {key} state (it was saved without one): load it without {key}="
             )
         if given is not None:
-            objects[key] = state[key]
+            try:
+                objects[key] = optimizer_part.tensors_from_json(state[key])
+            except (KeyError, ValueError, TypeError, RuntimeError) as error:
+                raise ValueError(f"{file} is damaged: its {key} ({error!r})") from error
     tensors = {
         name: _read_tensors(directory / f"{name}.safetensors", save_id)
         for name in ("weights", "masters", "rng")

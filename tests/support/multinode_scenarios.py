@@ -262,7 +262,33 @@ def resume(rank: int, *, checkpoint: str, phase: str, **_: object) -> dict:
     return {"state": state}
 
 
+def low_bit_resume(rank: int, *, checkpoint: str, phase: str, **_: object) -> dict:
+    """``resume`` with torchao's AdamW8bit on a model with a 64x64 weight (whose owner
+    rank keeps 8-bit moments), synchronous steps."""
+    from torchao.optim import AdamW8bit
+
+    world = dist.get_world_size()
+    config = RoundPipeRunConfig(num_microbatch=2)
+    pipe = RoundPipe(mlp(width=64, depth=4), devices="emulated:2", model_run_config=config)
+    opt = AdamW8bit(pipe.optim_parameters(), lr=0.01)
+    first = pipe.load_checkpoint(checkpoint, opt)["next_step"] if phase == "load" else 0
+    for step in range(first, 4):
+        if step == 2 and phase == "save":
+            pipe.save_checkpoint(checkpoint, opt, extra={"next_step": 2})
+        x, y = batch(seed=step, size=8)
+        pipe.forward_backward(
+            (rank_share(x, rank, world),), label=rank_share(y, rank, world), loss_fn=mse_sum
+        )
+        pipe.step(lambda: (opt.step(), opt.zero_grad()), is_async=False)
+    pipe.synchronize()
+    state = {k: v.clone() for k, v in pipe.state_dict().items()}
+    kinds = sorted({type(t).__name__ for s in opt.state.values() for t in s.values()})
+    pipe.close()
+    return {"state": state, "kinds": kinds}
+
+
 SCENARIOS = {
+    "low_bit_resume": low_bit_resume,
     "save_killed": save_killed,
     "resume": resume,
     "hf": hf,
