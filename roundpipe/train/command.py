@@ -87,9 +87,11 @@ def run_train(args: argparse.Namespace) -> int:
 def _train(command_line: dict[str, Any]) -> int:
     from .lock import holding
     from .preflight import check_packages, find_start, prepare
+    from .quiet import quiet_imports
     from .ranks import check_several, from_environment, joined
 
     check_packages()
+    quiet_imports()
     ranks = from_environment()
     config = read_config(command_line["config"]) if command_line.get("config") else {}
     user = {**config, **command_line}

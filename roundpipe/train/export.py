@@ -56,6 +56,9 @@ def add_export_parser(commands: Any) -> argparse.ArgumentParser:
 
 def run_export(args: argparse.Namespace) -> int:
     """The ``export`` subcommand: 0, or 2 for bad input (nothing written)."""
+    from .quiet import quiet_imports
+
+    quiet_imports()
     try:
         written = export(args.checkpoint, args.output, args.merge, args.save_dtype)
     except UsageError as error:
