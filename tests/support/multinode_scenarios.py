@@ -234,7 +234,6 @@ def hf(rank: int, *, steps: int = 2, save_to: str | None = None, **_: object) ->
 def resume(rank: int, *, checkpoint: str, phase: str, **_: object) -> dict:
     """``phase="save"``: 2 steps, a checkpoint, 2 more; ``"load"``: the checkpoint, then
     the same 2 more. Adam, asynchronous steps, fp32."""
-    world = dist.get_world_size()
     pipe = RoundPipe(
         mlp(), devices="emulated:2", model_run_config=RoundPipeRunConfig(num_microbatch=2)
     )
@@ -249,6 +248,16 @@ def resume(rank: int, *, checkpoint: str, phase: str, **_: object) -> dict:
         return {"error": error}
     if phase == "load":
         first = pipe.load_checkpoint(checkpoint, opt)["next_step"]
+    resumable_steps(pipe, opt, rank, first, checkpoint, phase, is_async=True)
+    state = {k: v.clone() for k, v in pipe.state_dict().items()}
+    pipe.close()
+    return {"state": state}
+
+
+def resumable_steps(pipe, opt, rank, first, checkpoint, phase, is_async) -> None:
+    """Steps ``first`` to 3 on this rank's share of ``oracle.batch(step)``; with
+    ``phase="save"`` a checkpoint before step 2 (its ``extra`` names step 2)."""
+    world = dist.get_world_size()
     for step in range(first, 4):
         if step == 2 and phase == "save":
             pipe.save_checkpoint(checkpoint, opt, extra={"next_step": 2})
@@ -256,10 +265,7 @@ def resume(rank: int, *, checkpoint: str, phase: str, **_: object) -> dict:
         pipe.forward_backward(
             (rank_share(x, rank, world),), label=rank_share(y, rank, world), loss_fn=mse_sum
         )
-        pipe.step(lambda: (opt.step(), opt.zero_grad()))
-    state = {k: v.clone() for k, v in pipe.state_dict().items()}
-    pipe.close()
-    return {"state": state}
+        pipe.step(lambda: (opt.step(), opt.zero_grad()), is_async=is_async)
 
 
 def low_bit_resume(rank: int, *, checkpoint: str, phase: str, **_: object) -> dict:
@@ -267,19 +273,11 @@ def low_bit_resume(rank: int, *, checkpoint: str, phase: str, **_: object) -> di
     rank keeps 8-bit moments), synchronous steps."""
     from torchao.optim import AdamW8bit
 
-    world = dist.get_world_size()
     config = RoundPipeRunConfig(num_microbatch=2)
     pipe = RoundPipe(mlp(width=64, depth=4), devices="emulated:2", model_run_config=config)
     opt = AdamW8bit(pipe.optim_parameters(), lr=0.01)
     first = pipe.load_checkpoint(checkpoint, opt)["next_step"] if phase == "load" else 0
-    for step in range(first, 4):
-        if step == 2 and phase == "save":
-            pipe.save_checkpoint(checkpoint, opt, extra={"next_step": 2})
-        x, y = batch(seed=step, size=8)
-        pipe.forward_backward(
-            (rank_share(x, rank, world),), label=rank_share(y, rank, world), loss_fn=mse_sum
-        )
-        pipe.step(lambda: (opt.step(), opt.zero_grad()), is_async=False)
+    resumable_steps(pipe, opt, rank, first, checkpoint, phase, is_async=False)
     pipe.synchronize()
     state = {k: v.clone() for k, v in pipe.state_dict().items()}
     kinds = sorted({type(t).__name__ for s in opt.state.values() for t in s.values()})
