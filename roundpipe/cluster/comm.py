@@ -232,6 +232,26 @@ def released(collective: Callable[[], object], *tensors: torch.Tensor) -> None:
         time.sleep(0)  # lets the worker thread take the GIL
 
 
+def gather_objects(value, group=None) -> list:
+    """Every rank's picklable ``value``, by rank: ``dist.all_gather_object``, whose
+    tensors are its own, through :func:`released` (a size exchange, then the padded
+    pickles)."""
+    import pickle
+
+    data = torch.frombuffer(bytearray(pickle.dumps(value)), dtype=torch.uint8)
+    world = dist.get_world_size(group)
+    size = torch.tensor([data.numel()], dtype=torch.int64)
+    sizes = torch.empty(world, dtype=torch.int64)
+    released(lambda: _all_gather(sizes, size, group=group), sizes, size)
+    longest = int(sizes.max())
+    padded = torch.zeros(longest, dtype=torch.uint8)
+    padded[: data.numel()] = data
+    rows = torch.empty(world * longest, dtype=torch.uint8)
+    released(lambda: _all_gather(rows, padded, group=group), rows, padded)
+    table = rows.view(world, longest)
+    return [pickle.loads(table[r, : int(sizes[r])].numpy().tobytes()) for r in range(world)]
+
+
 def _references(tensors: tuple[torch.Tensor, ...]) -> int:
     return sum(sys.getrefcount(tensor) for tensor in tensors)
 

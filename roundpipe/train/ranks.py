@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 import torch
 
 from ..cluster import PeerFailure
-from ..cluster.comm import peer_failure, released
+from ..cluster.comm import gather_objects, peer_failure, released
 from .options import UsageError
 
 LAUNCH_HINT = "torchrun --nnodes K --nproc-per-node 1 ... -m roundpipe train ..."
@@ -75,10 +75,8 @@ class Ranks:
         """Every rank's ``value`` (anything picklable), by rank."""
         if self.world == 1:
             return [value]
-        import torch.distributed as dist
-
-        rows: list[Any] = [None] * self.world
-        self._run(what, lambda: dist.all_gather_object(rows, value))
+        rows: list[Any] = []
+        self._run(what, lambda: rows.extend(gather_objects(value)))
         return rows
 
     def agree(self, work: Callable[[], T], what: str) -> T:
