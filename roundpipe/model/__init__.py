@@ -174,6 +174,7 @@ class RoundPipe(ModuleCall, Checkpoints, ParameterViews, nn.Module):
         kwargs = dict(input_kwargs or {})
         with self._session.enter("forward_backward") as session:
             self._begin(session)
+            session.wait_for_gradient_room()
             num = self._microbatch_count(config)
             if self._node is not None:
                 self._node.check_call(num)

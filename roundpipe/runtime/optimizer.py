@@ -120,6 +120,10 @@ class OptimizerThread:
             self._discarded(discarded)
 
     def _run_step_fn(self, task: StepTask) -> BaseException | None:
+        try:  # the masters that are weights move to the buffer the step writes
+            self.versions.prepare(task.buffer)
+        except BaseException as exc:  # noqa: BLE001 - reported as step_fn's error would be
+            return locate(exc, f"preparing weights version {task.version}")
         scale = None
         try:
             with failure_site(f"optimizer step {task.version} (step_fn)"):

@@ -1,8 +1,10 @@
 """Host-memory home of the training state (docs/design.md#stateless-devices).
 
 For every unique parameter of the wrapped model: the user's parameter (model dtype,
-what devices upload), and for a trainable one an fp32 (``optim_dtype``) *master*
-copy that the user's optimizer updates, with the master's accumulated gradient.
+what devices upload), and for a trainable one the *master* that the user's optimizer
+updates, with its accumulated gradient: an fp32 (``optim_dtype``) copy of a half
+precision parameter, or, when ``optim_dtype`` is the model's dtype, the parameter's own
+tensor (docs/design.md#host-memory).
 Which weights a call uploads is decided by :mod:`.versions`.
 """
 
@@ -31,6 +33,10 @@ class ParamEntry:
             torch.float32 if param.dtype in _HALF_TYPES else param.dtype
         )
         self.master: nn.Parameter | None = None
+        self.aliased = self.trainable and self.optim_dtype == param.dtype
+        """Whether the master is the model's own tensor (no second copy): its dtype is
+        the model's. Steps then write a weight version in place
+        (:meth:`~.versions.WeightVersions.prepare`)."""
         self.owned = True
         """Whether this node keeps the master (always, but on several nodes: its share)."""
         self.local_grad: torch.Tensor | None = None
@@ -98,7 +104,10 @@ class ParameterStore:
     def ensure_masters(self) -> None:
         for entry in self.entries.values():
             if entry.trainable and entry.owned and entry.master is None:
-                master = entry.param.detach().to(entry.optim_dtype, copy=True)
+                if entry.aliased:  # ``.data``: the optimizer's writes bump no user version
+                    master = entry.param.data
+                else:
+                    master = entry.param.detach().to(entry.optim_dtype, copy=True)
                 entry.master = nn.Parameter(master, requires_grad=True)
 
     def masters(self) -> Iterator[tuple[str, nn.Parameter]]:

@@ -173,6 +173,21 @@ class Session:
 
     # -- calls and steps -----------------------------------------------------------------
 
+    def wait_for_gradient_room(self) -> None:
+        """Back-pressure before a training call (docs/design.md#host-memory).
+
+        A call's downloaded gradients wait in host memory until the step queued before it
+        has been applied (the masters' gradients are the step's until then). So that at
+        most one call's gradients wait so beyond those the step applies — never one per
+        call of a step made of several — a call starts only once the step before it is
+        published, when a call since that step is unfinished. With one call per step
+        nothing waits here. A publish that failed is reported by the call itself.
+        """
+        ledger = self.ledger
+        if ledger.since_step and self.versions.published.value < ledger.versions.newest:
+            with contextlib.suppress(RuntimeError):
+                self.versions.published.wait_for(ledger.versions.newest)
+
     def issue(self, call: Call, loss_scale: float | None, owned_buffers: list) -> None:
         """Record ``call`` in flight, then hand its first jobs to the workers."""
         self._ledger.change(

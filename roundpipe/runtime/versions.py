@@ -32,12 +32,22 @@ class VersionState:
         return dict(self.homes)[version]
 
     def after_step(self, is_async: bool) -> VersionState:
-        """A step was queued: it publishes ``newest + 1`` into the other buffer."""
+        """A step was queued: it publishes ``newest + 1``.
+
+        An asynchronous step writes the other buffer: the calls queued after it read
+        ``newest`` meanwhile. A synchronous one rewrites ``newest``'s own buffer, which
+        nobody reads while it runs (the calls before it are done first, the calls after
+        it wait for it, and an older version's buffer is the other one), so steps that
+        are all synchronous never need a spare buffer.
+        """
         version = self.newest + 1
+        if not is_async:
+            return VersionState(
+                read=version, newest=version, homes=((version, self.home_of(self.newest)),)
+            )
         target = SPARE if self.home_of(self.newest) == HOME else HOME
         homes = ((self.newest, self.home_of(self.newest)), (version, target))
-        read = self.newest if is_async else version
-        return VersionState(read=read, newest=version, homes=homes)
+        return VersionState(read=self.newest, newest=version, homes=homes)
 
     def settled_home(self) -> VersionState:
         """Nothing in flight and the user's tensors hold the newest version."""
@@ -79,11 +89,34 @@ class WeightVersions:
 
     # -- the optimizer thread ----------------------------------------------------------
 
+    def prepare(self, buffer: int) -> None:
+        """Before a step that publishes into ``buffer``: a master that is the model's own
+        tensor (:attr:`ParamEntry.aliased`) moves there, so that the step writes the
+        version it makes in place while calls keep reading the other buffer.
+
+        The move copies the master's values (the previous version) into ``buffer`` and
+        points the master at it; the optimizer's state is keyed by the master object, which
+        stays the same. A parameter the user wrote in place in ``buffer`` keeps the write:
+        that step's master is a private copy, and the write is adopted before the next call
+        (as :meth:`publish` leaves such a parameter for masters of their own).
+        """
+        with torch.no_grad():
+            for uid, entry in self.store.entries.items():
+                if not entry.aliased or entry.master is None:
+                    continue
+                target = self.source(uid, buffer)
+                if buffer == HOME and entry.externally_modified():
+                    target = torch.empty_like(target)
+                if not _same_storage(entry.master, target):
+                    target.copy_(entry.master)
+                    entry.master.data = target
+
     def publish(self, version: int, buffer: int) -> None:
         """Write the masters into ``buffer`` as ``version`` and let readers of it go.
 
         A parameter the user wrote in place meanwhile is left as written (it is
-        adopted before the next call); everything else is overwritten.
+        adopted before the next call); everything else is overwritten. A master that is
+        the buffer's own tensor (moved there by :meth:`prepare`) is written already.
         """
         with torch.no_grad():
             for uid, entry in self.store.entries.items():
@@ -91,7 +124,9 @@ class WeightVersions:
                     continue
                 if buffer == HOME and entry.externally_modified():
                     continue
-                self.source(uid, buffer).copy_(entry.master)
+                target = self.source(uid, buffer)
+                if not _same_storage(entry.master, target):
+                    target.copy_(entry.master)
         if self.gather is not None:
             self.gather(lambda uid: self.source(uid, buffer))
         self.published.advance_to(version)
@@ -114,6 +149,8 @@ class WeightVersions:
                 elif moved and entry.trainable:
                     entry.param.data.copy_(self._spare(uid))
                 if entry.master is not None:
+                    if entry.aliased:
+                        entry.master.data = entry.param.data
                     entry.show_grad()
                 entry.mark_seen()
         settled = state.settled_home()
@@ -131,5 +168,12 @@ def _adopt(entry: ParamEntry, pin: Callable[[torch.Tensor], torch.Tensor]) -> No
     if pinned is not entry.param.data:
         entry.param.data = pinned
     if entry.master is not None:
-        entry.master.copy_(entry.param.data)
+        if entry.aliased:
+            entry.master.data = entry.param.data
+        else:
+            entry.master.copy_(entry.param.data)
     entry.mark_seen()
+
+
+def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.data_ptr() == b.data_ptr() and a.shape == b.shape
