@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The prepared GPU check: CUDA tests against PyTorch, then a short throughput probe.
+# The prepared GPU check: CUDA tests against PyTorch, NF4 dequantize on CUDA against the
+# CPU bit for bit, then a short throughput probe.
 # Run on a machine with an NVIDIA GPU and torch, pytest, hypothesis preinstalled:
 #   bench/gpu_check.sh
 # It installs nothing (the GPU machines reach no network): the repository is put on
@@ -12,5 +13,6 @@ python3 -c "import sys, torch; print('python', sys.version.split()[0], 'torch', 
 timeout 420 python3 -m pytest -q -m cuda tests/test_cuda.py tests/test_host_block_pool.py \
     -p no:cacheprovider -o addopts=""
 status=$?
+timeout 120 python3 bench/gpu_nf4_check.py --device cuda:0 || status=1
 timeout 120 python3 bench/gpu_probe.py --devices cuda:0,0,0 --steps 12
 exit $status

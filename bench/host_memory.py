@@ -35,7 +35,7 @@ other streams still counts there.
 
 The expected components are computed from the parameters: ``weights`` (every parameter
 in the model dtype: the user's tensors, uploaded in the home version), ``spare`` (the
-second upload buffer of every trainable parameter, which steps publish into),
+second upload buffer of every trainable parameter, which asynchronous steps publish into),
 ``masters``, ``grads`` (the fp32 master copies and their accumulated gradients) and
 ``moments`` (AdamW's two per master), plus ``download_cache``: the page-locked download
 blocks the pool held at the steady point (measured, ``pool.host_blocks``). ``other`` is
@@ -47,8 +47,10 @@ objects).
     .venv/bin/python bench/host_memory.py --json       # one JSON object per configuration
     .venv/bin/python bench/host_memory.py --config full-sync --steps 4
 
-A new configuration (a leaner optimizer, bf16 masters, no spare buffer) is one more entry
-in :data:`CONFIGS`.
+The lean configurations keep the masters in the model's dtype (``optim_dtype=torch.bfloat16``:
+the masters are the model's own weights) and AdamW's moments in bf16 or 8 bits
+(``roundpipe.optim.make_adamw``); synchronous steps need no spare buffer. A new
+configuration is one more entry in :data:`CONFIGS`.
 """
 
 from __future__ import annotations
@@ -83,16 +85,54 @@ class Config:
     """``pipe.step(..., is_async=True)``: one-step-stale asynchronous steps."""
     pipe_options: dict = field(default_factory=dict)
     """More keyword arguments of ``roundpipe.from_hf`` (e.g. ``optim_dtype``)."""
-    master_bytes: int = 4
-    """Bytes per element of a master, its gradient and each Adam moment (expected)."""
-    spare: bool = True
-    """Whether a spare upload buffer per trainable parameter is expected."""
+    optimizer: dict | None = None
+    """Keyword arguments of ``roundpipe.optim.make_adamw`` (``states``,
+    ``stochastic_round``); None: ``torch.optim.AdamW(fused=True)``."""
+    master_bytes: float = 4
+    """Bytes per element of a master copy (expected; 0: the masters are the weights)."""
+    grad_bytes: float = 4
+    """Bytes per element of a master's accumulated gradient (expected)."""
+    moment_bytes: float = 4
+    """Bytes per element of each of AdamW's two moments (expected; int8: one byte and
+    an fp32 scale per block of 256)."""
+    spare: bool = False
+    """Whether a spare upload buffer per trainable parameter is expected (asynchronous
+    steps write one version while calls read the other)."""
 
 
+BF16_MASTERS = {"optim_dtype": "bfloat16"}
 CONFIGS: dict[str, Config] = {
     "full-sync": Config("full AdamW, bf16 model, fp32 masters, sync steps"),
-    "full-async": Config("full AdamW, bf16 model, fp32 masters, async steps", is_async=True),
+    "full-async": Config(
+        "full AdamW, bf16 model, fp32 masters, async steps", is_async=True, spare=True
+    ),
     "lora-sync": Config("LoRA r16 all-linear, bf16 base, sync steps", lora=True),
+    "bf16-sync": Config(
+        "full AdamW, bf16 masters (the weights), bf16 moments, stochastic rounding, sync",
+        pipe_options=BF16_MASTERS,
+        optimizer={"states": "bf16", "stochastic_round": True},
+        master_bytes=0,
+        grad_bytes=2,
+        moment_bytes=2,
+    ),
+    "int8-sync": Config(
+        "full AdamW8bit, bf16 masters (the weights), stochastic rounding, sync steps",
+        pipe_options=BF16_MASTERS,
+        optimizer={"states": "int8", "stochastic_round": True},
+        master_bytes=0,
+        grad_bytes=2,
+        moment_bytes=1 + 4 / 256,
+    ),
+    "int8-async": Config(
+        "full AdamW8bit, bf16 masters (the weights), stochastic rounding, async steps",
+        is_async=True,
+        pipe_options=BF16_MASTERS,
+        optimizer={"states": "int8", "stochastic_round": True},
+        master_bytes=0,
+        grad_bytes=2,
+        moment_bytes=1 + 4 / 256,
+        spare=True,
+    ),
 }
 
 MODEL = {
@@ -159,15 +199,25 @@ def build_model(config: Config):
 def expected(model, config: Config) -> dict[str, int]:
     """Bytes of each component, from the parameter count (see the docstring)."""
     params = list(model.parameters())
-    trainable = [p for p in params if p.requires_grad]
-    masters = sum(p.numel() for p in trainable) * config.master_bytes
+    trainable = sum(p.numel() for p in params if p.requires_grad)
+    model_bytes = sum(p.numel() * p.element_size() for p in params if p.requires_grad)
     return {
         "weights": sum(p.numel() * p.element_size() for p in params),
-        "spare": sum(p.numel() * p.element_size() for p in trainable) if config.spare else 0,
-        "masters": masters,
-        "grads": masters,
-        "moments": 2 * masters,
+        "spare": model_bytes if config.spare else 0,
+        "masters": round(trainable * config.master_bytes),
+        "grads": round(trainable * config.grad_bytes),
+        "moments": round(2 * trainable * config.moment_bytes),
     }
+
+
+def build_optimizer(pipe, config: Config):
+    import torch
+
+    if config.optimizer is None:
+        return torch.optim.AdamW(pipe.optim_parameters(), lr=1e-5, fused=True)
+    from roundpipe.optim import make_adamw
+
+    return make_adamw(pipe.optim_parameters(), lr=1e-5, **config.optimizer)
 
 
 def measure(name: str, steps: int, batch: int, seq: int, devices: int) -> dict:
@@ -182,11 +232,14 @@ def measure(name: str, steps: int, batch: int, seq: int, devices: int) -> dict:
     started = time.perf_counter()
     model = build_model(config)
     run_config = roundpipe.RoundPipeRunConfig(num_microbatch=min(batch, 2))
+    options = dict(config.pipe_options)
+    if "optim_dtype" in options:
+        options["optim_dtype"] = getattr(torch, options["optim_dtype"])
     pipe = roundpipe.from_hf(
-        model, devices=f"emulated:{devices}", model_run_config=run_config, **config.pipe_options
+        model, devices=f"emulated:{devices}", model_run_config=run_config, **options
     )
     sampler.devices = list(pipe.pool.devices)
-    optimizer = torch.optim.AdamW(pipe.optim_parameters(), lr=1e-5, fused=True)
+    optimizer = build_optimizer(pipe, config)
     steady: list[int] = []
     cache: list[int] = []
     trimmed: list[int] = []
@@ -251,22 +304,22 @@ def print_table(rows: list[dict]) -> None:
         f"{MODEL['num_hidden_layers']} layers of width {MODEL['hidden_size']}; "
         "host bytes per trainable parameter (/model: per parameter of the model)"
     )
-    print(f"{'config':<11} {'trainable':>10} {'steady':>7} {'peak':>7} {'/model':>7} {'loss':>7}")
+    print(f"{'config':<12} {'trainable':>10} {'steady':>7} {'peak':>7} {'/model':>7} {'loss':>7}")
     for row in rows:
         print(
-            f"{row['config']:<11} {row['trainable_params'] / 1e6:>9.1f}M "
+            f"{row['config']:<12} {row['trainable_params'] / 1e6:>9.1f}M "
             f"{row['bytes_per_param']:>7.2f} {row['peak_bytes_per_param']:>7.2f} "
             f"{row['bytes_per_model_param']:>7.2f} {row['final_loss']:>7.3f}"
         )
     print("\nwhere the steady-state bytes go, per parameter of the model:")
     names = (*COMPONENTS, "other", "trimmable", "total")
-    print(f"{'config':<11} " + " ".join(f"{name[:9]:>9}" for name in names))
+    print(f"{'config':<12} " + " ".join(f"{name[:9]:>9}" for name in names))
     for row in rows:
         per = row["params"]
         parts = [row["expected_bytes"][c] / per for c in COMPONENTS]
         parts += [row["other_bytes"] / per, row["trimmable_bytes"] / per]
         parts.append(row["bytes_per_model_param"])
-        print(f"{row['config']:<11} " + " ".join(f"{v:>9.2f}" for v in parts))
+        print(f"{row['config']:<12} " + " ".join(f"{v:>9.2f}" for v in parts))
     print("(trimmable: part of other that malloc_trim(0) gives back)")
 
 

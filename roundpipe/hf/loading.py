@@ -19,6 +19,8 @@ from torch import nn
 
 from .checkpoint_layout import LoadItem, ModelTensor, plan_loading
 from .families import family_of
+from .nf4 import QUANTIZE_CHOICES, quantize_linears
+from .nf4_experts import check_target_parameters, quantize_experts
 from .pipe import HFRoundPipe, from_hf
 from .safetensors_io import (
     CheckpointError,
@@ -33,7 +35,9 @@ _ALWAYS_IGNORED = (r"rotary_emb\.inv_freq",)
 rotary tables, which are recomputed."""
 
 
-def from_pretrained(path, *, torch_dtype=torch.bfloat16, lora=None, **options) -> HFRoundPipe:
+def from_pretrained(
+    path, *, torch_dtype=torch.bfloat16, lora=None, quantize=None, **options
+) -> HFRoundPipe:
     """The model in the local directory ``path`` (``config.json`` and ``model.safetensors``,
     or shards listed in ``model.safetensors.index.json``) in ``torch_dtype``, as
     ``transformers.AutoModelForCausalLM.from_pretrained`` loads it, wrapped with
@@ -48,8 +52,21 @@ def from_pretrained(path, *, torch_dtype=torch.bfloat16, lora=None, **options) -
     kernel. Base weights stored in another dtype are converted, which makes a copy; so
     are stacked MoE experts (stored one per expert) and tensors whose bytes are not
     aligned in the file. Keep the files unchanged while the model lives.
+
+    ``quantize="nf4"`` (with ``lora`` only) keeps the frozen base's linear layers inside
+    the decoder layers in host memory as NF4 with fp32 block scales, 0.5625 bytes a
+    parameter (:class:`.nf4.NF4Linear`, bitsandbytes' format), quantized while loading,
+    one tensor at a time; devices receive the quantized bytes and dequantize per layer.
+    Embeddings, norms, stacked MoE experts and the LM head stay as without it
+    (docs/design.md#4-bit-bases).
     """
+    _check_quantize(quantize, lora)
     model, items = plan_pretrained(path, torch_dtype=torch_dtype)
+    if quantize is not None:
+        from .nf4_lora import lora_config_for_nf4
+
+        lora = lora_config_for_nf4(lora, model)  # before the linears are replaced
+        items = quantize_experts(model, quantize_linears(model, items))
     _fill(model, items, FileMappings() if lora is not None else None)
     _recompute_buffers(model)
     model.eval()  # as transformers' from_pretrained leaves it
@@ -59,6 +76,21 @@ def from_pretrained(path, *, torch_dtype=torch.bfloat16, lora=None, **options) -
         model = peft.get_peft_model(model, lora)
         _copy_trainable_views(model)
     return from_hf(model, **options)
+
+
+def _check_quantize(quantize, lora) -> None:
+    if quantize not in QUANTIZE_CHOICES:
+        raise ValueError(f"quantize must be one of {QUANTIZE_CHOICES}, got {quantize!r}")
+    if quantize is not None and lora is None:
+        raise ValueError(
+            f"quantize={quantize!r} keeps the base weights frozen in 4 bits, so only "
+            "adapters can train: pass lora=peft.LoraConfig(...) as well"
+        )
+    if quantize is not None:
+        from .nf4_lora import check_lora_for_nf4  # imports peft
+
+        check_lora_for_nf4(lora)
+        check_target_parameters(lora)
 
 
 def plan_pretrained(path, *, torch_dtype=torch.bfloat16) -> tuple[nn.Module, list[LoadItem]]:

@@ -7,6 +7,11 @@ Pure logic on top of the planner and the simulator, no devices
 - ``nodes``: ``predict_nodes``, the same across K nodes joined by a network.
 - ``breakdown``: host RAM and per-GPU memory term by term, and the fit verdicts.
 - ``nearest``: ``nearest_fit``, the nearest configuration that fits when one does not.
+- ``host_settings``: ``LeanSettings``, the host dtypes of the optimizer's state, the
+  masters and a LoRA base, and their bytes per parameter.
+- ``lean_fit``: ``lean_fit``, the lean setting that fits the host RAM when the run's
+  own does not.
+- ``nf4_uploads``: ``upload_savings``, what an NF4 base saves on the PCIe links.
 - ``unit_costs``: seconds and bytes of each pipeline unit, calibrated.
 - ``model_specs``: ``ModelSpec``, the shapes and parameter counts of a decoder.
 - ``gpus``: GPU, precision and PCIe presets.

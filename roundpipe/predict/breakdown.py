@@ -12,6 +12,14 @@ from dataclasses import dataclass, fields
 
 from ..core.plan import Plan
 from ..planning.sim.costs import CostModel
+from .host_settings import (
+    DEFAULT_SETTINGS,
+    MASTER_COPY_BYTES,
+    MASTER_GRADIENT_BYTES,
+    LeanSettings,
+    moment_bytes,
+    nf4_bytes,
+)
 from .unit_costs import FP32, HALF
 
 MEMORY_HEADROOM = 0.9
@@ -23,8 +31,9 @@ GRADIENT_BYTES = FP32
 ADAM_STATE_BYTES = 2 * FP32
 """Adam's m and v in fp32."""
 HOST_BYTES_TRAINABLE = 2 * HALF + MASTER_BYTES + GRADIENT_BYTES + ADAM_STATE_BYTES
-"""Per trained parameter: its two upload buffers (the weights and the spare version,
-docs/design.md#weight-versions), the master, the gradient and Adam's state: 20 B."""
+"""Per trained parameter with the default settings: its two upload buffers (the weights
+and the spare version, docs/design.md#weight-versions), the master, the gradient and
+Adam's state: 20 B (the lean settings' bytes are :mod:`.host_settings`')."""
 SHARDED_HOST_BYTES = MASTER_BYTES + ADAM_STATE_BYTES
 """Of ``HOST_BYTES_TRAINABLE``, the fp32 master and Adam m and v: what ``optimizer_shards``
 hosts split (the fp32 gradient stays whole: rounds accumulate into all of it)."""
@@ -73,7 +82,8 @@ class HostRam(_Terms):
     """Host RAM of RoundPipe: all training state lives here."""
 
     weights: int
-    """Every parameter's upload buffer in the model dtype (a LoRA base's frozen ones too)."""
+    """Every parameter's upload buffer in the model dtype (a LoRA base's frozen ones too;
+    its decoder layers' linear weights in NF4 when quantized)."""
     spare: int
     """The second weight version of each trained parameter, in the model dtype."""
     masters: int
@@ -139,15 +149,20 @@ def host_ram_terms(
     plan: Plan,
     round_microbatches: int,
     boundary_bytes: int,
+    settings: LeanSettings = DEFAULT_SETTINGS,
+    quantized: int = 0,
 ) -> HostRam:
     """Host RAM of a RoundPipe run of ``plan``: ``trainable`` parameters trained (their
-    masters and Adam state split over ``optimizer_shards`` hosts), ``frozen`` held only."""
+    masters and Adam state split over ``optimizer_shards`` hosts), ``frozen`` held only,
+    ``quantized`` of them in NF4; ``settings`` say in which dtypes (async steps: the
+    spare version is there whatever the masters)."""
+    master = MASTER_COPY_BYTES[settings.master_weights]
     return HostRam(
-        weights=(trainable + frozen) * HALF,
+        weights=(trainable + frozen - quantized) * HALF + nf4_bytes(quantized),
         spare=trainable * HALF,
-        masters=-(-trainable * MASTER_BYTES // optimizer_shards),
-        gradients=trainable * GRADIENT_BYTES,
-        optimizer_state=-(-trainable * ADAM_STATE_BYTES // optimizer_shards),
+        masters=-(-trainable * master // optimizer_shards),
+        gradients=trainable * MASTER_GRADIENT_BYTES[settings.master_weights],
+        optimizer_state=moment_bytes(trainable, settings.optimizer_states, optimizer_shards),
         saved_activations=(len(plan.backward) - 1) * round_microbatches * boundary_bytes,
         pinned_buffers=PINNED_CACHE_BYTES,
     )

@@ -1,8 +1,10 @@
 """``roundpipe simulate --model`` / ``--config``: predict a real model on a GPU preset and
 explain it: each schedule's tokens/s and fit, RoundPipe's host RAM and per-GPU memory
 term by term (:mod:`.breakdown`), and, when it does not fit, the nearest configuration
-that does (:mod:`.nearest`). Host RAM is judged against ``--host-ram``, else against
-this machine's RAM, and the output says which.
+that does (:mod:`.nearest`) and the lean host setting that fits the host RAM
+(:mod:`.lean_fit`); with ``--quantize nf4``, what the quantized uploads save
+(:mod:`.nf4_uploads`). Host RAM is judged against ``--host-ram``, else against this
+machine's RAM, and the output says which.
 """
 
 from __future__ import annotations
@@ -10,14 +12,19 @@ from __future__ import annotations
 import argparse
 import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 from .breakdown import MemoryFit
 from .gpus import GIB, Gpu, gpu_preset
+from .host_settings import MASTER_COPY_BYTES, MASTER_GRADIENT_BYTES, MOMENT_BYTES, LeanSettings
+from .lean_fit import HostFit, lean_fit
 from .model_specs import ModelSpec, model_preset
 from .models import Prediction, Workload, max_seq_len, predict
 from .nearest import Suggestion, nearest_fit
+from .nf4_uploads import UploadSavings, upload_savings
 from .nodes import Network, NodesPrediction, predict_nodes, scaling_table
+from .unit_costs import HALF
 
 THIS_MACHINE = "this machine"
 HOST_RAM_FLAG = "--host-ram"
@@ -57,12 +64,78 @@ def run_model_mode(args: argparse.Namespace, schedules: tuple[str, ...]) -> int:
             f"{gpu.name} ({args.precision}), seq {args.seq_len}, batch {args.batch}"
         )
         print(_source_line(host_ram, source, args.host_ram))
+        print(settings_line(work.settings))
     for prediction in predictions:
-        suggestion = None
+        extras = None
         if prediction.memory is not None:
-            suggestion = nearest_fit(spec, gpu, work, args.gpus, host_ram, prediction.memory)
-        _print_prediction(prediction, suggestion, source, args.json)
+            extras = _Extras(
+                work.settings,
+                nearest_fit(spec, gpu, work, args.gpus, host_ram, prediction.memory),
+                lean_fit(spec, gpu, work, args.gpus, host_ram, prediction.memory),
+                None
+                if prediction.memory.plan is None
+                else upload_savings(spec, gpu, work, args.gpus, prediction.memory.plan),
+            )
+        _print_prediction(prediction, extras, source, args.json)
     return 0
+
+
+@dataclass(frozen=True)
+class _Extras:
+    """What RoundPipe's row says beside its prediction."""
+
+    settings: LeanSettings
+    suggestion: Suggestion | None
+    host_fit: HostFit | None
+    uploads: UploadSavings | None
+
+    def to_dict(self) -> dict:
+        uploads = self.uploads.to_dict() if self.uploads else dict.fromkeys(_UPLOAD_KEYS)
+        return {
+            **self.settings.to_dict(),
+            "suggestion": None if self.suggestion is None else self.suggestion.to_dict(),
+            "host_fit": None if self.host_fit is None else self.host_fit.to_dict(),
+            **uploads,
+        }
+
+    def lines(self) -> list[str]:
+        lines = [] if self.suggestion is None else [f"suggestion: {self.suggestion.text}"]
+        if self.host_fit is not None:
+            lines.append(self.host_fit.text)
+        if self.uploads is not None:
+            u = self.uploads
+            lines.append(
+                f"nf4 uploads: {_gib(u.upload_saved_bytes, 2)} GiB less over PCIe per iteration, "
+                f"{u.upload_saved_s:.2f} s less upload (summed over the links), "
+                f"{u.dequantize_s:.2f} s of dequantizing on the GPUs"
+            )
+        return lines
+
+
+_UPLOAD_KEYS = ("upload_saved_bytes", "upload_saved_s", "dequantize_s")
+
+
+def lean_settings(args: argparse.Namespace) -> LeanSettings:
+    """The host settings the options ask for (``LeanSettings.check`` judges them)."""
+    return LeanSettings(args.optimizer_states, args.master_weights, args.quantize)
+
+
+def settings_line(settings: LeanSettings) -> str:
+    """The settings and the host bytes each trained parameter costs with them."""
+    terms = {
+        "weights": HALF,
+        "spare": HALF,
+        "masters": MASTER_COPY_BYTES[settings.master_weights],
+        "gradients": MASTER_GRADIENT_BYTES[settings.master_weights],
+        "optimizer state": MOMENT_BYTES[settings.optimizer_states],
+    }
+    sum_text = " + ".join(f"{name} {float(value):g}" for name, value in terms.items())
+    base = "nf4 (0.5625 B a linear weight)" if settings.quantize else "model dtype"
+    return (
+        f"settings: --optimizer-states {settings.optimizer_states} --master-weights "
+        f"{settings.master_weights}, frozen base in {base}; host bytes per trained parameter: "
+        f"{sum_text} = {float(sum(terms.values())):g}"
+    )
 
 
 def _model_spec(args: argparse.Namespace) -> ModelSpec:
@@ -97,6 +170,7 @@ def _workload(args: argparse.Namespace) -> Workload:
         host_bandwidth=args.host_bandwidth * 1e9,
         pcie=args.pcie,
         round_size=args.round_size,
+        settings=lean_settings(args),
     )
 
 
@@ -150,16 +224,18 @@ def _predict_nodes(
             f"seq {args.seq_len}, global batch {args.batch}"
         )
         print(_source_line(host_ram, source, args.host_ram))
+        print(settings_line(work.settings))
     for row in rows:
-        _print_nodes(row, source, args.json)
+        _print_nodes(row, source, work.settings, args.json)
     return 0
 
 
-def _print_nodes(p: NodesPrediction, source: str, as_json: bool) -> None:
+def _print_nodes(p: NodesPrediction, source: str, settings: LeanSettings, as_json: bool) -> None:
     if as_json:
         row = p.to_dict()
         if isinstance(row.get("host_ram"), dict):
             row["host_ram"]["source"] = source
+        row.update(settings.to_dict())
         print(json.dumps(row))
         return
     host = (
@@ -172,14 +248,13 @@ def _print_nodes(p: NodesPrediction, source: str, as_json: bool) -> None:
     )
 
 
-def _print_prediction(
-    p: Prediction, suggestion: Suggestion | None, source: str, as_json: bool
-) -> None:
+def _print_prediction(p: Prediction, extras: _Extras | None, source: str, as_json: bool) -> None:
     if as_json:
         row = p.to_dict()
         if p.memory is not None:
             row["host_ram"]["source"] = source
-            row["suggestion"] = None if suggestion is None else suggestion.to_dict()
+        if extras is not None:
+            row.update(extras.to_dict())
         print(json.dumps(row))
         return
     longest = "" if p.max_seq_len is None else f"  max seq {p.max_seq_len}"
@@ -199,8 +274,8 @@ def _print_prediction(
     if p.memory is not None:
         for line in memory_table(p.memory):
             print(f"  {line}")
-        if suggestion is not None:
-            print(f"  suggestion: {suggestion.text}")
+    for line in [] if extras is None else extras.lines():
+        print(f"  {line}")
 
 
 def memory_table(memory: MemoryFit) -> list[str]:

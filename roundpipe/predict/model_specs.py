@@ -113,6 +113,16 @@ class ModelSpec:
         return 3 * h * i + (2 * i + h if self.biases else 0)
 
     @property
+    def linear_weight_params(self) -> int:
+        """One decoder layer's linear weights, what NF4 quantizes (``roundpipe.hf.nf4``):
+        the attention projections and a dense MLP's gate, up and down. Biases, norms and
+        the router stay in the model dtype, and so do an MoE layer's experts: stacked into
+        3-d parameters, they are not linear layers (an NF4 experts module is not built)."""
+        h, q, kv = self.hidden_size, self.q_width, self.kv_width
+        mlp = 0 if self.is_moe else 3 * h * self.intermediate_size
+        return h * (2 * q + 2 * kv) + mlp
+
+    @property
     def router_params(self) -> int:
         return self.hidden_size * self.num_experts + (self.num_experts if self.biases else 0)
 

@@ -25,6 +25,7 @@ from .breakdown import (
     host_ram_terms,
 )
 from .gpus import PCIE_BANDWIDTH, Gpu
+from .host_settings import DEFAULT_SETTINGS, LeanSettings
 from .model_specs import MODEL_PRESETS, ModelSpec, model_preset
 from .unit_costs import HALF, Kernels, UnitCost, embedding_cost, head_cost, layer_cost
 
@@ -58,6 +59,8 @@ class Workload:
     """Microbatches per round (default ``ROUND_PER_GPU`` per GPU, at most the batch)."""
     optimizer_shards: int = 1
     """Hosts that each step 1/K of the masters (nodes of data parallelism)."""
+    settings: LeanSettings = DEFAULT_SETTINGS
+    """The dtypes the host keeps the optimizer's state, masters and a LoRA base in."""
 
     def round_microbatches(self, num_gpus: int) -> int:
         return min(self.num_microbatches, self.round_size or ROUND_PER_GPU * num_gpus)
@@ -121,14 +124,17 @@ class _Model:
     units: list[UnitCost]
     trainable: int
     frozen: int
+    quantized: int = 0
+    """Of the frozen parameters, those held and uploaded in NF4."""
 
     @classmethod
     def build(cls, spec: ModelSpec, gpu: Gpu, work: Workload, tokens: int) -> _Model:
-        rank = work.lora_rank
+        rank, nf4 = work.lora_rank, work.settings.quantize == "nf4"
         kernels = Kernels(gpu, work.precision, work.mfu)
-        full, window = layer_cost(spec, kernels, tokens, work.seq_len, None, rank), None
+        full = layer_cost(spec, kernels, tokens, work.seq_len, None, rank, nf4)
+        window = None
         if spec.window_layers:
-            window = layer_cost(spec, kernels, tokens, work.seq_len, spec.sliding_window, rank)
+            window = layer_cost(spec, kernels, tokens, work.seq_len, spec.sliding_window, rank, nf4)
         # gpt-oss alternates sliding and full layers; others have all or none windowed
         every = spec.num_layers // max(spec.window_layers, 1)
         layers = [
@@ -142,7 +148,8 @@ class _Model:
         ]
         trainable = spec.lora_params(rank) if rank else spec.num_params
         frozen = spec.num_params if rank else 0
-        return cls(spec, units, trainable, frozen)
+        quantized = spec.num_layers * spec.linear_weight_params if nf4 else 0
+        return cls(spec, units, trainable, frozen, quantized)
 
     @property
     def upload_bytes(self) -> int:
@@ -254,6 +261,8 @@ def _memory_fit(
         terms_plan,
         round_microbatches,
         costs.layers.boundary_bytes,
+        work.settings,
+        model.quantized,
     )
     return MemoryFit(
         plan=plan,

@@ -19,7 +19,8 @@ from ..planning.sim.costs import CostModel, LayerCosts
 from ..planning.sim.result import SimResult
 from ..planning.sim.roundpipe_schedule import simulate_roundpipe
 from .gpus import GPU_PRESETS, PCIE_BANDWIDTH, PRECISIONS
-from .model_mode import run_model_mode
+from .host_settings import MASTER_WEIGHTS, OPTIMIZER_STATES, QUANTIZE
+from .model_mode import lean_settings, run_model_mode
 from .model_specs import MODEL_PRESETS
 from .models import DEFAULT_HOST_BANDWIDTH
 from .nodes import GRAD_BYTES
@@ -36,7 +37,9 @@ Synthetic: --layers L --fwd-ms F --bwd-ms B --head-fwd-ms HF --head-bwd-ms HB
 
 Model-level: --model Qwen3-8B (or --config config.json) with --gpu rtx4090
   --seq-len 4096 --batch 16 predicts tokens/s, per-GPU memory and host RAM, and
-  whether each fits (--lora R, --precision, --pcie, --host-ram, --host-bandwidth);
+  whether each fits (--lora R, --precision, --pcie, --host-ram, --host-bandwidth;
+  the host's lean settings --optimizer-states, --master-weights, --quantize nf4,
+  and which of them fits when the host RAM does not);
   --max-seq-len answers only the longest sequence that fits; --nodes K
   --network-gbps G predicts RoundPipe on K such boxes (data parallel), --scaling for
   K = 1, 2, 4, ... 64.
@@ -93,6 +96,23 @@ def add_simulate_parser(commands: Any) -> argparse.ArgumentParser:
     model.add_argument("--seq-len", type=int, default=4096)
     model.add_argument("--batch", type=int, default=16, help="sequences per iteration")
     model.add_argument("--lora", type=int, metavar="R", help="train rank-R LoRA adapters only")
+    model.add_argument(
+        "--optimizer-states",
+        choices=OPTIMIZER_STATES,
+        default="fp32",
+        help="AdamW's moments on the host: 8, 4 or ~2 bytes per trained parameter",
+    )
+    model.add_argument(
+        "--master-weights",
+        choices=MASTER_WEIGHTS,
+        default="fp32",
+        help="fp32 masters, or the bf16 model's own weights as masters (--precision bf16)",
+    )
+    model.add_argument(
+        "--quantize",
+        choices=[q for q in QUANTIZE if q],
+        help="with --lora: the frozen base's linear weights in NF4 (~0.56 bytes each)",
+    )
     model.add_argument(
         "--mfu", type=float, help="override the calibrated matmul efficiency, in (0, 1]"
     )
@@ -212,6 +232,7 @@ def _validate(args: argparse.Namespace) -> None:
         raise ValueError(f"--mfu is a fraction of peak FLOP/s in (0, 1], got {args.mfu}")
     if args.model and args.config:
         raise ValueError("give --model or --config, not both")
+    lean_settings(args).check(args.precision, args.lora or 0)
     if args.gantt:
         try:
             import matplotlib  # noqa: F401

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .gpus import Gpu
+from .host_settings import DEQUANTIZED_BYTES, NF4_BYTES, nf4_bytes
 from .model_specs import ModelSpec
 
 MATMUL_EFFICIENCY = 0.82
@@ -78,8 +79,10 @@ def layer_cost(
     seq_len: int,
     window: int | None,
     lora_rank: int,
+    quantized: bool = False,
 ) -> UnitCost:
-    """A decoder layer: attention (full or over a sliding ``window``) and MLP or MoE."""
+    """A decoder layer: attention (full or over a sliding ``window``) and MLP or MoE;
+    ``quantized``: its frozen linear weights uploaded in NF4 and dequantized on the GPU."""
     frozen = lora_rank > 0
     h, q, kv = spec.hidden_size, spec.q_width, spec.kv_width
     dense_linear = h * (2 * q + 2 * kv) + 3 * h * spec.intermediate_size + spec.router_params
@@ -89,25 +92,46 @@ def layer_cost(
     attention = 4 * tokens * _context(seq_len, window) * q
     elementwise = tokens * _elementwise_bytes(spec)
     experts_fwd, experts_bwd = _expert_times(spec, kernels, tokens, frozen)
+    nf4 = spec.linear_weight_params if quantized else 0
+    dequantize = dequantize_time(dequantized_params(spec, tokens), kernels) if quantized else 0.0
     forward = (
         matmul / kernels.matmul_speed
         + attention / kernels.attention_speed
         + elementwise / kernels.memory_speed
         + experts_fwd
+        + dequantize
     )
+    # the input gradient dequantizes each weight again (roundpipe.hf.nf4 keeps the NF4
+    # bytes for the backward, not the dense weight, so a dense weight lives one linear
+    # at a time: a temporary like those ACTIVATION_FACTOR covers)
     backward = (
         matmul_backward / kernels.matmul_speed
         + ATTENTION_BACKWARD * attention / kernels.attention_speed
         + 2 * elementwise / kernels.memory_speed
         + experts_bwd
+        + dequantize
     )
     activations = tokens * _saved_bytes(spec, frozen, lora_rank > 0)
     return UnitCost(
         forward,
         backward,
-        (spec.layer_params + adapters) * HALF,
+        (spec.layer_params - nf4 + adapters) * HALF + nf4_bytes(nf4),
         int(ACTIVATION_FACTOR * activations),
     )
+
+
+def dequantized_params(spec: ModelSpec, tokens: int) -> int:
+    """The NF4 weights one pass of a layer over ``tokens`` dequantizes: all its linear
+    weights (an MoE layer's experts are not NF4, see ``ModelSpec.linear_weight_params``;
+    ``tokens`` is kept for when they are: a pass would skip the idle ones)."""
+    del tokens
+    return spec.linear_weight_params
+
+
+def dequantize_time(num_params: int, kernels: Kernels) -> float:
+    """Seconds to dequantize ``num_params`` NF4 weights into bf16 on the GPU: a
+    memory-bound pass reading the codes and scales and writing the bf16 weight."""
+    return float(num_params * (NF4_BYTES + DEQUANTIZED_BYTES)) / kernels.memory_speed
 
 
 def head_cost(spec: ModelSpec, kernels: Kernels, tokens: int, frozen: bool) -> UnitCost:

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from ..model.checkpoint import existing_checkpoint, shard_path
-from .options import SHAPE_KEYS, TrainOptions, UsageError
+from .options import SHAPE_KEYS, STATE_KEYS, TrainOptions, UsageError, saved_state_options
 
 CHECKPOINTS_DIR = "checkpoints"
 _NAME = re.compile(r"step-(\d+)")
@@ -238,19 +238,31 @@ def common_checkpoints(mine: list[Found], every_rank: list[list[tuple[int, int]]
 
 
 def check_compatible(found: Found, options: TrainOptions) -> None:
-    """A :class:`UsageError` unless ``found`` trains the parameters ``options`` would."""
+    """A :class:`UsageError` unless ``found`` trains the parameters ``options`` would,
+    with an optimizer state and weights of the same types (:data:`STATE_KEYS`)."""
     path, saved, now = found.path, found.options, options.run_record()
     keys = [key for key in SHAPE_KEYS if not (now["full"] and key.startswith("lora_"))]
     differ = [key for key in keys if saved.get(key) != now.get(key)]
     if differ:
-        details = "; ".join(
-            f"--{key.replace('_', '-')} {saved.get(key)!r} there, {now.get(key)!r} here"
-            for key in differ
-        )
         raise UsageError(
-            f"--resume: {path} is a checkpoint of another model or adapter shape ({details}); "
+            f"--resume: {path} is a checkpoint of another model or adapter shape "
+            f"({_differences(differ, saved, now)}); resume with the same options or use "
+            "another --output"
+        )
+    saved = saved_state_options(saved)
+    differ = [key for key in STATE_KEYS if key in now and saved.get(key) != now[key]]
+    if differ:
+        raise UsageError(
+            f"--resume: {path} holds an optimizer state or weights of other types "
+            f"({_differences(differ, saved, now)}), which a resumed run cannot change; "
             "resume with the same options or use another --output"
         )
+
+
+def _differences(keys: list[str], saved: dict, now: dict) -> str:
+    return "; ".join(
+        f"--{key.replace('_', '-')} {saved.get(key)!r} there, {now.get(key)!r} here" for key in keys
+    )
 
 
 def remove_checkpoint(path: Path, shard: dict | None = None) -> list[Path]:

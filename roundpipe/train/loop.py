@@ -29,7 +29,15 @@ from .checkpoints import (
 from .disk import SMALL_FILE, writing
 from .hub import ModelSource, resolve_model
 from .model_checks import lora_config
-from .optim import Optimization, adopt_options, build_optimization, discard_gradients, lr_factor
+from .optim import (
+    Optimization,
+    adopt_options,
+    build_optimization,
+    discard_gradients,
+    lean_note,
+    lean_pipe_options,
+    lr_factor,
+)
 from .options import TrainOptions, UsageError, changed_options, write_run_yaml
 from .preflight import Prepared
 from .progress import Progress, Silent, StepReport, open_progress
@@ -66,7 +74,7 @@ def build_pipe(
     source = source or resolve_model(options.model, options.revision)
 
     scaler = torch.amp.GradScaler("cpu") if options.precision == "fp16" else None
-    several = {}
+    several = lean_pipe_options(options)
     if ranks is not None and ranks.world > 1:
         several["comm_options"] = CommOptions(timeout_s=options.dist_timeout)
     torch.manual_seed(options.seed)  # the adapters' initialisation (alike on every rank)
@@ -169,7 +177,7 @@ class Run:
         self.say(
             f"training {'all weights' if o.full else 'a LoRA adapter'} of {self._model_name()} "
             f"({trainable:,} trainable parameters) on {where}, "
-            f"{o.precision}, steps {start.step + 1}-{self.total}"
+            f"{o.precision}{lean_note(o)}, steps {start.step + 1}-{self.total}"
         )
         self.progress = (
             open_progress(self.total, start.step, self.stream) if self.main else Silent()

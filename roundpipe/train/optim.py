@@ -80,13 +80,48 @@ def parameter_groups(
     return [{"params": decay, "weight_decay": weight_decay}, {"params": rest, "weight_decay": 0.0}]
 
 
-def build_optimizer(groups: list[dict], lr: float) -> torch.optim.AdamW:
-    """``AdamW(fused=True)`` over ``groups`` where the masters' device and dtype support
-    it, else the default implementation."""
-    try:
-        return torch.optim.AdamW(groups, lr=lr, fused=True)
-    except (RuntimeError, ValueError):
-        return torch.optim.AdamW(groups, lr=lr)
+def build_optimizer(
+    groups: list[dict], lr: float, states: str = "fp32", masters: str = "fp32", seed: int = 0
+) -> torch.optim.Optimizer:
+    """:func:`roundpipe.optim.make_adamw` over ``groups``, its moments in ``states``;
+    with bf16 ``masters`` each update is rounded stochastically, from random numbers of
+    the optimizer's own drawn from ``seed``. The defaults (fp32, fp32) give
+    ``torch.optim.AdamW(fused=True)`` where the masters support it, as always
+    (docs/design.md#train-options)."""
+    from ..optim import make_adamw
+
+    return make_adamw(groups, lr=lr, states=states, stochastic_round=masters == "bf16", seed=seed)
+
+
+def lean_pipe_options(options: TrainOptions) -> dict:
+    """``from_pretrained``'s keywords for ``--master-weights bf16`` (masters in the
+    model's dtype: the bf16 weights themselves) and ``--quantize nf4`` (the frozen base
+    in NF4); none for the defaults, so a default run builds its pipe as before."""
+    lean: dict = {}
+    if options.full and options.master_weights == "bf16":
+        lean["optim_dtype"] = torch.bfloat16
+    if not options.full and options.quantize != "none":
+        lean["quantize"] = options.quantize
+    return lean
+
+
+def lean_note(options: TrainOptions) -> str:
+    """The run's lean settings for the line that starts training (nothing for the
+    defaults): ``", optimizer states int8, bf16 masters"``, ``", NF4 base"``."""
+    if not options.full:
+        return ", NF4 base" if options.quantize == "nf4" else ""
+    states, masters = optimizer_settings(options)
+    notes = [f"optimizer states {states}"] if states != "fp32" else []
+    notes += ["bf16 masters"] if masters == "bf16" else []
+    return "".join(f", {note}" for note in notes)
+
+
+def optimizer_settings(options: TrainOptions) -> tuple[str, str]:
+    """``(states, masters)`` of the run's optimizer: ``--optimizer-states`` and
+    ``--master-weights`` with ``--full``; fp32 for an adapter's."""
+    if not options.full:
+        return "fp32", "fp32"
+    return options.optimizer_states, options.master_weights
 
 
 def build_scheduler(
@@ -117,7 +152,11 @@ def adopt_options(
     for index, (group, factor) in enumerate(groups):
         group["initial_lr"] = lr
         group["weight_decay"] = weight_decay if index == 0 else 0.0
-        group["lr"] = lr * factor(scheduler.last_epoch)
+        rate = lr * factor(scheduler.last_epoch)
+        if isinstance(group["lr"], torch.Tensor):  # torchao's: filled, as LambdaLR does
+            group["lr"].fill_(rate)
+        else:
+            group["lr"] = rate
 
 
 class GradNorms:
@@ -175,7 +214,7 @@ class Optimization:
     """A run's optimizer, its schedule (over ``warmup`` warm-up steps), its step
     function and the gradient norms that records."""
 
-    optimizer: torch.optim.AdamW
+    optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LambdaLR
     step_fn: Callable[[], None]
     norms: GradNorms
@@ -194,7 +233,7 @@ def build_optimization(
         groups = parameter_groups(named, decay_names, options.weight_decay)
     else:
         groups = [{"params": [p for _, p in named], "weight_decay": options.weight_decay}]
-    optimizer = build_optimizer(groups, options.lr)
+    optimizer = build_optimizer(groups, options.lr, *optimizer_settings(options), seed=options.seed)
     warmup = warmup_steps(total, options.warmup_steps, options.warmup_ratio)
     scheduler = build_scheduler(optimizer, warmup, total, options.schedule)
     norms = GradNorms()

@@ -9,23 +9,32 @@ is checked later (docs/design.md#train-options).
 from __future__ import annotations
 
 import argparse
-import re
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
-from .aliases import JoinedNames, aliases_of, flag, refuse_unknown_options
+from .aliases import JoinedNames, aliases_of, refuse_unknown_options
 from .config_file import read_options
 from .machine import machine_defaults
-from .trackers import check_trackers
+from .option_checks import (
+    FULL_ONLY,
+    LORA_ONLY,
+    MASTER_WEIGHTS,
+    OPTIMIZER_STATES,
+    PRECISIONS,
+    QUANTIZATIONS,
+    SCHEDULES,
+    check,
+    check_dtypes,
+)
 from .usage import UsageError
 
-PRECISIONS = ("bf16", "fp16", "fp32")
-SCHEDULES = ("cosine", "linear", "constant")
-DEVICE_SPEC = re.compile(r"cuda(:\d+(,\d+)*)?|emulated:[1-9]\d*")
 SHAPE_KEYS = ("model", "full", "lora_r", "lora_targets")
 """Options a checkpoint must agree with: they decide which parameters exist."""
+STATE_KEYS = ("optimizer_states", "master_weights", "quantize")
+"""Options a checkpoint must agree with too: they decide the types of the optimizer's
+state and of the weights it loads into (absent from an older record: their defaults)."""
 INVOCATION_KEYS = ("config", "demo", "resume", "dist_timeout")
 """Options about how this command was started, not about the run (left out of run.yaml)."""
 
@@ -106,6 +115,14 @@ OPTIONS: tuple[Option, ...] = (
     ),
     Option("lora-dropout", float, 0.0, "dropout on the adapters' input", _LORA),
     Option(
+        "quantize",
+        str,
+        "none",
+        "keep the frozen base of a LoRA run in 4-bit NF4 (QLoRA), or none",
+        _LORA,
+        QUANTIZATIONS,
+    ),
+    Option(
         "train-on-prompt",
         None,
         False,
@@ -160,6 +177,24 @@ OPTIONS: tuple[Option, ...] = (
     Option("schedule", str, "cosine", "decay to 0 after warm-up, or constant", _OPTIM, SCHEDULES),
     Option("grad-clip", float, 1.0, "clip the gradients' global norm (0: off)", _OPTIM),
     Option("weight-decay", float, 0.0, "AdamW weight decay (not on biases and norms)", _OPTIM),
+    Option(
+        "optimizer-states",
+        str,
+        "fp32",
+        "--full: AdamW's moments in fp32, bf16 or int8 (block-wise 8-bit; 8 bytes per "
+        "weight, 4, about 2)",
+        _OPTIM,
+        OPTIMIZER_STATES,
+    ),
+    Option(
+        "master-weights",
+        str,
+        "fp32",
+        "--full: the optimizer updates fp32 copies of the weights, or the bf16 weights "
+        "themselves, rounded stochastically (needs --precision bf16; 4 bytes per weight less)",
+        _OPTIM,
+        MASTER_WEIGHTS,
+    ),
     Option("eval-every", int, None, "evaluate every N steps (and at the end)", _SAVE),
     Option("save-every", int, None, "checkpoint every N steps (default: at the end)", _SAVE),
     Option("keep-checkpoints", int, 2, "how many checkpoints/step-N to keep", _SAVE),
@@ -218,6 +253,7 @@ class TrainOptions:
     lora_alpha: float
     lora_targets: str
     lora_dropout: float
+    quantize: str
     train_on_prompt: bool
     devices: str | None
     precision: str | None
@@ -236,6 +272,8 @@ class TrainOptions:
     schedule: str
     grad_clip: float
     weight_decay: float
+    optimizer_states: str
+    master_weights: str
     eval_every: int | None
     save_every: int | None
     keep_checkpoints: int
@@ -256,10 +294,14 @@ class TrainOptions:
 
     def run_record(self) -> dict[str, Any]:
         """The options as plain data (paths as strings), without the invocation's own
-        (nor, with ``--full``, the LoRA options: ``run.yaml`` must work as ``--config``)."""
+        (nor the other mode's: with ``--full`` the LoRA options, without it the full
+        optimizer's; ``run.yaml`` must work as ``--config``, which refuses them)."""
         record = {k: v for k, v in asdict(self).items() if k not in INVOCATION_KEYS}
         if self.full:
-            record = {k: v for k, v in record.items() if not k.startswith("lora_")}
+            record = {k: v for k, v in record.items()
+                      if not k.startswith("lora_") and k not in LORA_ONLY}  # fmt: skip
+        else:
+            record = {k: v for k, v in record.items() if k not in FULL_ONLY}
         return {k: str(v) if isinstance(v, Path) else v for k, v in record.items()}
 
 
@@ -328,63 +370,9 @@ def resolve(
     )
     check(options, given)
     devices, precision = machine_defaults(options.devices, options.precision)
-    return replace(options, devices=devices, precision=precision)
-
-
-def check(options: TrainOptions, given: set[str]) -> None:
-    """Contradictions and out-of-range values, each named by its option."""
-    o = options
-    if not o.demo:
-        missing = [f"--{n}" for n in ("model", "data", "output") if getattr(o, n) is None]
-        if missing:
-            raise UsageError(f"missing {', '.join(missing)} (or use --demo)")
-    lora_given = sorted(k for k in given if k.startswith("lora_"))
-    if o.full and lora_given:
-        names = ", ".join("--" + k.replace("_", "-") for k in lora_given)
-        raise UsageError(f"--full trains every weight: it contradicts {names}")
-    if o.steps is not None and o.epochs is not None:
-        raise UsageError(f"give --steps ({o.steps}) or --epochs ({o.epochs}), not both")
-    if o.eval_every is not None and o.eval_data is None and o.eval_split is None:
-        raise UsageError("--eval-every needs --eval-data or --eval-split (the data to evaluate on)")
-    if o.eval_split is not None and o.eval_data is not None:
-        raise UsageError(
-            "give --eval-data (data to evaluate on) or --eval-split (a share of --data held "
-            "out), not both"
-        )
-    if o.eval_split is not None and not 0 < o.eval_split < 1:
-        raise UsageError(f"--eval-split must be a fraction in (0, 1), got {o.eval_split}")
-    for key in ("lora_r", "steps", "epochs", "batch_size", "seq_len", "microbatches",
-                "eval_every", "save_every", "keep_checkpoints"):  # fmt: skip
-        _check_at_least(key, getattr(o, key), 1)
-    for key in ("lr", "lora_alpha", "dist_timeout"):
-        if getattr(o, key) <= 0:
-            raise UsageError(f"{flag(key)} must be positive, got {getattr(o, key)}")
-    for key in ("warmup_steps", "grad_clip", "weight_decay"):
-        _check_at_least(key, getattr(o, key), 0)
-    if not 0 <= o.lora_dropout < 1:
-        raise UsageError(f"--lora-dropout must be in [0, 1), got {o.lora_dropout}")
-    if not o.full and not o.lora_target_modules():
-        raise UsageError(f"--lora-targets names no module: {o.lora_targets!r}")
-    if o.microbatches is not None and o.microbatches > o.batch_size:
-        raise UsageError(
-            f"--microbatches {o.microbatches} exceeds --batch-size {o.batch_size}: each "
-            "microbatch needs at least one sequence"
-        )
-    if o.devices is not None and not DEVICE_SPEC.fullmatch(o.devices.replace(" ", "")):
-        raise UsageError(f"--devices {o.devices!r}: use 'cuda', 'cuda:0,1' or 'emulated:N'")
-    if o.precision is not None and o.precision not in PRECISIONS:
-        raise UsageError(f"--precision must be one of {', '.join(PRECISIONS)}")
-    if o.schedule not in SCHEDULES:
-        raise UsageError(f"--schedule must be one of {', '.join(SCHEDULES)}")
-    if o.warmup_ratio is not None and not 0 <= o.warmup_ratio <= 1:
-        raise UsageError(f"--warmup-ratio must be a fraction in [0, 1], got {o.warmup_ratio}")
-    check_trackers(o.trackers())
-
-
-def _check_at_least(key: str, value: float | None, least: int) -> None:
-    if value is not None and value < least:
-        kind = "a positive number" if least == 1 else "zero or more"
-        raise UsageError(f"{flag(key)} must be {kind}, got {value}")
+    options = replace(options, devices=devices, precision=precision)
+    check_dtypes(options)
+    return options
 
 
 def write_run_yaml(options: TrainOptions, path: Path) -> None:
@@ -397,5 +385,13 @@ def write_run_yaml(options: TrainOptions, path: Path) -> None:
 def changed_options(saved: Mapping[str, Any], now: TrainOptions) -> dict[str, tuple[Any, Any]]:
     """Options whose value differs from ``saved`` (a :meth:`TrainOptions.run_record`):
     ``{name: (saved, now)}``."""
-    current = now.run_record()
-    return {k: (saved.get(k), v) for k, v in current.items() if saved.get(k) != v}
+    current, before = now.run_record(), saved_state_options(saved)
+    return {k: (before.get(k), v) for k, v in current.items() if before.get(k) != v}
+
+
+def saved_state_options(saved: Mapping[str, Any]) -> dict[str, Any]:
+    """``saved`` (a :meth:`TrainOptions.run_record`) with the :data:`STATE_KEYS` of its
+    mode that it lacks (an older roundpipe's, which had only the defaults) filled."""
+    skip = LORA_ONLY if saved.get("full") else FULL_ONLY
+    filled = {k: _BY_KEY[k].default for k in STATE_KEYS if k not in skip}
+    return {**filled, **saved}

@@ -21,9 +21,10 @@ def quiet_transformers() -> Iterator[None]:
         yield
 
 
-QUIET_LOGGERS = ("torchao", "torch.utils._pytree")
+QUIET_LOGGERS = ("torchao", "torch.utils._pytree", "bitsandbytes")
 """Loggers whose warnings at import time only say that torchao's CUDA extensions are
-absent here or that torch deprecates a registration torchao makes."""
+absent here, that torch deprecates a registration torchao makes, or that bitsandbytes
+found no optional CPU kernel package (peft imports bitsandbytes when it is installed)."""
 
 
 def quiet_imports() -> None:
