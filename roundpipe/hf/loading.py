@@ -20,7 +20,6 @@ from torch import nn
 from .checkpoint_layout import LoadItem, ModelTensor, plan_loading
 from .families import family_of
 from .nf4 import QUANTIZE_CHOICES, quantize_linears
-from .nf4_experts import check_target_parameters, quantize_experts
 from .pipe import HFRoundPipe, from_hf
 from .safetensors_io import (
     CheckpointError,
@@ -66,7 +65,7 @@ def from_pretrained(
         from .nf4_lora import lora_config_for_nf4
 
         lora = lora_config_for_nf4(lora, model)  # before the linears are replaced
-        items = quantize_experts(model, quantize_linears(model, items))
+        items = quantize_linears(model, items)
     _fill(model, items, FileMappings() if lora is not None else None)
     _recompute_buffers(model)
     model.eval()  # as transformers' from_pretrained leaves it
@@ -90,7 +89,6 @@ def _check_quantize(quantize, lora) -> None:
         from .nf4_lora import check_lora_for_nf4  # imports peft
 
         check_lora_for_nf4(lora)
-        check_target_parameters(lora)
 
 
 def plan_pretrained(path, *, torch_dtype=torch.bfloat16) -> tuple[nn.Module, list[LoadItem]]:
