@@ -19,6 +19,7 @@ Several models and threads driving one model: ``test_concurrency.py``; Ctrl-C:
 
 from __future__ import annotations
 
+import copy
 import gc
 import os
 import re
@@ -177,7 +178,7 @@ CLOSE_LR = 0.1
 @pytest.mark.parametrize("steps", [0, 2])  # then one async step: 1 and 3 steps in all
 def test_close_leaves_the_wrapped_model_with_the_newest_weights(steps, no_hang):
     net = mlp()
-    expected = net
+    expected = copy.deepcopy(net)  # the user's tensors are the pipe's to write until close()
     pipe = RoundPipe(net, devices="emulated:2", model_run_config=CONFIG)
     optimizer = torch.optim.SGD(pipe.optim_parameters(), lr=CLOSE_LR)
     for seed in range(steps):
