@@ -94,12 +94,13 @@ def test_a_quantized_layer_uploads_its_nf4_bytes_and_pays_a_dequantizing_pass():
     assert quantized.activation_bytes == plain.activation_bytes
 
 
-def test_an_moe_layer_quantizes_its_attention_only_as_the_runtime_does():
-    """roundpipe.hf.nf4 quantizes linear layers; stacked experts are 3-d parameters."""
+def test_an_moe_pass_dequantizes_only_the_experts_it_routes_to():
     spec = model_preset("Qwen3-30B-A3B")
+    expert = 3 * spec.hidden_size * spec.moe_intermediate_size
     attention = spec.hidden_size * (2 * spec.q_width + 2 * spec.kv_width)
-    assert spec.linear_weight_params == attention
-    assert dequantized_params(spec, 1) == dequantized_params(spec, 4096) == attention
+    assert spec.linear_weight_params == attention + spec.num_experts * expert
+    assert dequantized_params(spec, 1) == attention + spec.experts_per_token * expert
+    assert dequantized_params(spec, 4096) == spec.linear_weight_params
 
 
 def _uploaded_bytes(work: Workload, plan, gpus: int) -> float:

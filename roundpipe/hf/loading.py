@@ -20,6 +20,7 @@ from torch import nn
 from .checkpoint_layout import LoadItem, ModelTensor, plan_loading
 from .families import family_of
 from .nf4 import QUANTIZE_CHOICES, quantize_linears
+from .nf4_experts import check_target_parameters, quantize_experts
 from .pipe import HFRoundPipe, from_hf
 from .safetensors_io import (
     CheckpointError,
@@ -52,11 +53,12 @@ def from_pretrained(
     are stacked MoE experts (stored one per expert) and tensors whose bytes are not
     aligned in the file. Keep the files unchanged while the model lives.
 
-    ``quantize="nf4"`` (with ``lora`` only) keeps the frozen base's linear layers inside
-    the decoder layers in host memory as NF4 with fp32 block scales, 0.5625 bytes a
-    parameter (:class:`.nf4.NF4Linear`, bitsandbytes' format), quantized while loading,
-    one tensor at a time; devices receive the quantized bytes and dequantize per layer.
-    Embeddings, norms, stacked MoE experts and the LM head stay as without it
+    ``quantize="nf4"`` (with ``lora`` only) keeps the frozen base's linear layers and
+    stacked MoE experts inside the decoder layers in host memory as NF4 with fp32 block
+    scales, 0.5625 bytes a parameter (:class:`.nf4.NF4Linear`, :mod:`.nf4_experts`,
+    bitsandbytes' format, each expert's weight on its own), quantized while loading,
+    one tensor (or expert) at a time; devices receive the quantized bytes and
+    dequantize per layer. Embeddings, norms, routers and the LM head stay as without it
     (docs/design.md#4-bit-bases).
     """
     _check_quantize(quantize, lora)
@@ -65,7 +67,7 @@ def from_pretrained(
         from .nf4_lora import lora_config_for_nf4
 
         lora = lora_config_for_nf4(lora, model)  # before the linears are replaced
-        items = quantize_linears(model, items)
+        items = quantize_experts(model, quantize_linears(model, items))
     _fill(model, items, FileMappings() if lora is not None else None)
     _recompute_buffers(model)
     model.eval()  # as transformers' from_pretrained leaves it
@@ -89,6 +91,7 @@ def _check_quantize(quantize, lora) -> None:
         from .nf4_lora import check_lora_for_nf4  # imports peft
 
         check_lora_for_nf4(lora)
+        check_target_parameters(lora)
 
 
 def plan_pretrained(path, *, torch_dtype=torch.bfloat16) -> tuple[nn.Module, list[LoadItem]]:

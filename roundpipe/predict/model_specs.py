@@ -114,12 +114,15 @@ class ModelSpec:
 
     @property
     def linear_weight_params(self) -> int:
-        """One decoder layer's linear weights, what NF4 quantizes (``roundpipe.hf.nf4``):
-        the attention projections and a dense MLP's gate, up and down. Biases, norms and
-        the router stay in the model dtype, and so do an MoE layer's experts: stacked into
-        3-d parameters, they are not linear layers (an NF4 experts module is not built)."""
+        """One decoder layer's linear weights, what NF4 quantizes: the attention
+        projections (``roundpipe.hf.nf4``) and the MLP's gate, up and down, every
+        expert's in an MoE layer (``roundpipe.hf.nf4_experts``); biases, norms and the
+        router stay in the model dtype."""
         h, q, kv = self.hidden_size, self.q_width, self.kv_width
-        mlp = 0 if self.is_moe else 3 * h * self.intermediate_size
+        if self.is_moe:
+            mlp = self.num_experts * 3 * h * self.moe_intermediate_size
+        else:
+            mlp = 3 * h * self.intermediate_size
         return h * (2 * q + 2 * kv) + mlp
 
     @property

@@ -121,11 +121,12 @@ def layer_cost(
 
 
 def dequantized_params(spec: ModelSpec, tokens: int) -> int:
-    """The NF4 weights one pass of a layer over ``tokens`` dequantizes: all its linear
-    weights (an MoE layer's experts are not NF4, see ``ModelSpec.linear_weight_params``;
-    ``tokens`` is kept for when they are: a pass would skip the idle ones)."""
-    del tokens
-    return spec.linear_weight_params
+    """The NF4 weights one pass of a layer over ``tokens`` dequantizes: all but the
+    experts no token is routed to (a microbatch of training reaches them all)."""
+    if not spec.is_moe:
+        return spec.linear_weight_params
+    idle = spec.num_experts - min(spec.num_experts, tokens * spec.experts_per_token)
+    return spec.linear_weight_params - idle * 3 * spec.hidden_size * spec.moe_intermediate_size
 
 
 def dequantize_time(num_params: int, kernels: Kernels) -> float:
