@@ -67,12 +67,14 @@ def test_an_activation_upload_does_not_jump_ahead_of_chunks_issued_before_it(har
     device.h2d.record_order = True
     copying = threading.Event()
     release = harness.block(device.act_upload)
-    chunks = [harness.copy(device.weight_upload, 6 * MB, "w1", started=copying)]
+    # chunk 1 copies for 300 ms: the activation becomes ready while it runs, even on a
+    # busy machine that wakes this thread late
+    chunks = [harness.copy(device.weight_upload, 30 * MB, "w1", started=copying)]
     chunks += [harness.copy(device.weight_upload, 4 * MB, f"w{i}") for i in (2, 3, 4)]
     act = harness.copy(device.act_upload, 1 * MB, "act")
     assert copying.wait(TIMEOUT_S)
     time.sleep(0.01)
-    release.set()  # act is ready about 50 ms before chunk 1 ends
+    release.set()  # act is ready about 290 ms before chunk 1 ends
     drain(device.weight_upload, device.act_upload)
     assert device.h2d.served == [*chunks, act]
     ran = spans(pool)
