@@ -19,7 +19,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from ..model.checkpoint import existing_checkpoint, shard_path
+from ..model.checkpoint_optimizer import split as optimizer_tensors
 from .options import SHAPE_KEYS, STATE_KEYS, TrainOptions, UsageError, saved_state_options
 
 CHECKPOINTS_DIR = "checkpoints"
@@ -50,6 +53,14 @@ class Found:
 
 def checkpoint_path(output: Path, step: int) -> Path:
     return Path(output) / CHECKPOINTS_DIR / f"step-{step}"
+
+
+def checkpoint_bytes(tensors: list[torch.Tensor], optimizer: torch.optim.Optimizer) -> int:
+    """About a checkpoint's size: ``tensors`` (the trainable weights and their masters)
+    and the optimizer's state as the checkpoint stores it (an 8-bit state's codes and
+    scales, not the size of the full-precision tensor it stands for)."""
+    state, _ = optimizer_tensors(optimizer)
+    return sum(t.nbytes for t in (*tensors, *state.values()))
 
 
 def extra_record(position: Position, options: TrainOptions) -> dict[str, Any]:

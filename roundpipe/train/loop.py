@@ -20,6 +20,7 @@ import torch
 
 from .checkpoints import (
     Position,
+    checkpoint_bytes,
     checkpoint_path,
     complete_checkpoints,
     extra_record,
@@ -358,12 +359,8 @@ class Run:
         self._plot()
 
     def _checkpoint_bytes(self) -> int:
-        """About a checkpoint's size: the trainable weights, their masters and the
-        optimizer's state of them."""
         trainable = [p for p in self.pipe.hf_model.parameters() if p.requires_grad]
-        state = [t for s in self.optimizer.state.values() for t in s.values()
-                 if isinstance(t, torch.Tensor)]  # fmt: skip
-        return sum(t.nbytes for t in (*trainable, *self.params, *state))
+        return checkpoint_bytes([*trainable, *self.params], self.optimizer)
 
     def _plot(self) -> None:
         if self.main:
