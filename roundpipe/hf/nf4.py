@@ -69,20 +69,28 @@ class NF4Linear(nn.Module):
             self.register_parameter("bias", None)
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear) -> NF4Linear:
-        """``linear`` quantized (its weight in its own dtype, as bitsandbytes quantizes
-        the weight it is given); the bias is kept as it is."""
-        weight = linear.weight.detach()
+    def holding(
+        cls, linear: nn.Linear, packed: torch.Tensor, absmax: torch.Tensor, dtype: torch.dtype
+    ) -> NF4Linear:
+        """A layer shaped as ``linear`` holding the NF4 data ``packed`` and ``absmax``
+        of its weight, computing in ``dtype``; its bias, if it has one, is still to be
+        filled (on the ``meta`` device)."""
         layer = cls(
             linear.in_features,
             linear.out_features,
             bias=linear.bias is not None,
-            compute_dtype=weight.dtype,
+            compute_dtype=dtype,
             device="meta",
         )
-        packed, absmax = quantize_nf4(weight)
-        layer.packed_weight = _frozen(packed)
-        layer.absmax = _frozen(absmax)
+        layer.packed_weight, layer.absmax = _frozen(packed), _frozen(absmax)
+        return layer
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear) -> NF4Linear:
+        """``linear`` quantized (its weight in its own dtype, as bitsandbytes quantizes
+        the weight it is given); the bias is kept as it is."""
+        weight = linear.weight.detach()
+        layer = cls.holding(linear, *quantize_nf4(weight), weight.dtype)
         if linear.bias is not None:
             layer.bias = nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
         return layer
@@ -167,16 +175,8 @@ def quantize_linears(model: nn.Module, items: list[LoadItem]) -> list[LoadItem]:
             rest.append(item)
             continue
         parent, attr, linear = found
-        layer = NF4Linear(
-            linear.in_features,
-            linear.out_features,
-            bias=linear.bias is not None,
-            compute_dtype=target.dtype,
-            device="meta",
-        )
         packed, absmax = quantize_stored(item.whole, target.dtype)
-        layer.packed_weight, layer.absmax = _frozen(packed), _frozen(absmax)
-        setattr(parent, attr, layer)
+        setattr(parent, attr, NF4Linear.holding(linear, packed, absmax, target.dtype))
     return rest
 
 

@@ -178,8 +178,8 @@ class Session:
 
         A call's downloaded gradients wait in host memory until the step queued before it
         has been applied (the masters' gradients are the step's until then). So that at
-        most one call's gradients wait so beyond those the step applies — never one per
-        call of a step made of several — a call starts only once the step before it is
+        most one call's gradients wait beyond those the step applies — never one per call
+        of a step made of several — a call starts only once the step before it is
         published, when a call since that step is unfinished. With one call per step
         nothing waits here. A publish that failed is reported by the call itself.
         """

@@ -167,11 +167,8 @@ def _adopt(entry: ParamEntry, pin: Callable[[torch.Tensor], torch.Tensor]) -> No
     pinned = pin(entry.param.data)
     if pinned is not entry.param.data:
         entry.param.data = pinned
-    if entry.master is not None:
-        if entry.aliased:
-            entry.master.data = entry.param.data
-        else:
-            entry.master.copy_(entry.param.data)
+    if entry.master is not None and not entry.aliased:  # an aliased one: make_current
+        entry.master.copy_(entry.param.data)
     entry.mark_seen()
 
 
