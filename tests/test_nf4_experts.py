@@ -22,7 +22,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 from support.children.harness import CHILDREN
-from support.nf4_models import adapter_grads, set_adapters
+from support.nf4_models import adapter_grads, losses_around_a_checkpoint, set_adapters
 
 import roundpipe
 from roundpipe import RoundPipeRunConfig
@@ -315,19 +315,10 @@ def test_lora_on_the_stacked_experts_is_refused(saved):
 
 def test_a_checkpoint_of_a_quantized_moe_run_resumes_it_exactly(saved, tmp_path):
     def run(load: bool) -> list[float]:
-        with quantized_pipe(saved / "gpt_oss_router") as pipe:
-            optimizer = torch.optim.AdamW(pipe.optim_parameters(), lr=1e-2)
-            step = lambda: (optimizer.step(), optimizer.zero_grad())  # noqa: E731
-            if load:
-                pipe.load_checkpoint(tmp_path / "ckpt", optimizer=optimizer)
-            else:
-                pipe.forward_backward(input_kwargs=padded_batch(seed=0))
-                pipe.step(step)
-                pipe.save_checkpoint(tmp_path / "ckpt", optimizer=optimizer)
-            got = [float(pipe.forward_backward(input_kwargs=padded_batch(seed=1)))]
-            pipe.step(step)
-            got.append(float(pipe.forward_backward(input_kwargs=padded_batch(seed=2))))
-        return got
+        def open_pipe():
+            return quantized_pipe(saved / "gpt_oss_router")
+
+        return losses_around_a_checkpoint(open_pipe, tmp_path / "ckpt", padded_batch, load)
 
     assert run(load=False) == run(load=True)
 

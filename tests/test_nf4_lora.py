@@ -20,6 +20,7 @@ from support.children.harness import CHILDREN
 from support.nf4_models import (
     adapter_grads,
     build_model,
+    losses_around_a_checkpoint,
     nf4_bytes_of,
     reference_qlora,
     set_adapters,
@@ -193,23 +194,13 @@ def test_all_linear_targets_the_linears_it_targets_without_quantizing(saved_mode
 
 
 def test_a_checkpoint_of_a_quantized_run_resumes_it_exactly(saved_models, tmp_path):
-    with quantized_pipe(saved_models / "llama") as pipe:
-        optimizer = torch.optim.AdamW(pipe.optim_parameters(), lr=1e-2)
-        step = lambda: (optimizer.step(), optimizer.zero_grad())  # noqa: E731
-        pipe.forward_backward(input_kwargs=padded_batch(seed=0))
-        pipe.step(step)
-        pipe.save_checkpoint(tmp_path / "ckpt", optimizer=optimizer)
-        want = [float(pipe.forward_backward(input_kwargs=padded_batch(seed=1)))]
-        pipe.step(step)
-        want.append(float(pipe.forward_backward(input_kwargs=padded_batch(seed=2))))
-    with quantized_pipe(saved_models / "llama") as pipe:
-        optimizer = torch.optim.AdamW(pipe.optim_parameters(), lr=1e-2)
-        step = lambda: (optimizer.step(), optimizer.zero_grad())  # noqa: E731
-        pipe.load_checkpoint(tmp_path / "ckpt", optimizer=optimizer)
-        got = [float(pipe.forward_backward(input_kwargs=padded_batch(seed=1)))]
-        pipe.step(step)
-        got.append(float(pipe.forward_backward(input_kwargs=padded_batch(seed=2))))
-    assert got == want
+    def run(load: bool) -> list[float]:
+        def open_pipe():
+            return quantized_pipe(saved_models / "llama")
+
+        return losses_around_a_checkpoint(open_pipe, tmp_path / "ckpt", padded_batch, load)
+
+    assert run(load=False) == run(load=True)
 
 
 def test_merging_an_adapter_into_the_nf4_base_is_refused(saved_models):

@@ -8,11 +8,11 @@ give today's numbers exactly."""
 
 from __future__ import annotations
 
-import json
 import math
 from itertools import product
 
 import pytest
+from support.predict_models import TINY_LLAMA, json_rows
 
 from roundpipe.cli import main
 from roundpipe.predict.breakdown import PINNED_CACHE_BYTES
@@ -23,16 +23,7 @@ from roundpipe.predict.model_specs import ModelSpec, model_preset
 from roundpipe.predict.models import Workload, memory_fit, predict
 
 RTX4090 = gpu_preset("rtx4090")
-TINY = {
-    "architectures": ["LlamaForCausalLM"],
-    "model_type": "llama",
-    "hidden_size": 256,
-    "intermediate_size": 512,
-    "num_hidden_layers": 4,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "vocab_size": 1024,
-}
+TINY = TINY_LLAMA
 # bytes per trained parameter, by hand: (masters, gradients) by --master-weights and
 # AdamW's m and v by --optimizer-states (int8: a byte each and an fp32 scale per 256)
 MASTERS = {"fp32": (4, 4), "bf16": (0, 2)}
@@ -51,10 +42,6 @@ def _host(settings: LeanSettings, work: Workload | None = None, spec: ModelSpec 
     work = Workload(**{**work.__dict__, "settings": settings})
     (prediction,) = predict(spec, RTX4090, work, 2, ("roundpipe",))
     return prediction.memory
-
-
-def _rows(capsys) -> list[dict]:
-    return [json.loads(line) for line in capsys.readouterr().out.splitlines()]
 
 
 @pytest.mark.parametrize(
@@ -118,10 +105,10 @@ def test_lora_applies_the_settings_to_the_adapters_only():
 
 def test_the_default_flags_give_exactly_the_run_without_them(capsys):
     main(["simulate", *FLAGS, "--host-ram", "16", "--json"])
-    plain = _rows(capsys)
+    plain = json_rows(capsys)
     explicit = ["--optimizer-states", "fp32", "--master-weights", "fp32"]
     main(["simulate", *FLAGS, *explicit, "--host-ram", "16", "--json"])
-    assert _rows(capsys) == plain
+    assert json_rows(capsys) == plain
     spec, work = model_preset("Qwen3-1.7B"), Workload(seq_len=512, batch=4)
     default = memory_fit(spec, RTX4090, work, 2)
     params = spec.num_params
@@ -130,7 +117,7 @@ def test_the_default_flags_give_exactly_the_run_without_them(capsys):
 
 def test_json_keeps_every_key_and_adds_the_settings_and_the_host_fit(capsys):
     main(["simulate", *FLAGS, "--host-ram", "256", "--json", "--optimizer-states", "int8"])
-    roundpipe, *baselines = _rows(capsys)
+    roundpipe, *baselines = json_rows(capsys)
     old = ["schedule", "tokens_per_s", "iteration_time", "gpu_memory", "gpu_budget", "fits"]
     old += ["host_ram", "host_ram_budget", "host_ram_fits", "detail", "max_seq_len"]
     old += ["device_memory", "suggestion"]
@@ -200,7 +187,7 @@ def test_the_host_fit_is_the_setting_that_saves_least_and_still_fits(capsys):
             continue
         host_gb = _host_gb((too_big + fitting) / 2)
         main(["simulate", *FLAGS, "--host-ram", host_gb, "--schedule", "roundpipe", "--json"])
-        host_fit = _rows(capsys)[0]["host_fit"]
+        host_fit = json_rows(capsys)[0]["host_fit"]
         assert host_fit["fits"] and host_fit["host_ram"] == fitting
         best = min((s for s, t in totals if t == fitting), key=lambda s: _changed(s))
         assert (host_fit["optimizer_states"], host_fit["master_weights"]) == (
@@ -237,7 +224,7 @@ def test_when_no_setting_fits_it_gives_the_leanest_and_what_it_needs(capsys):
     spec, work = model_preset("Qwen3-1.7B"), Workload(seq_len=512, batch=4)
     leanest = _totals(spec, work)[LeanSettings("int8", "bf16")]
     main(["simulate", *FLAGS, "--host-ram", _host_gb(leanest * 0.9), "--json"])
-    host_fit = _rows(capsys)[0]["host_fit"]
+    host_fit = json_rows(capsys)[0]["host_fit"]
     assert not host_fit["fits"] and host_fit["host_ram"] == leanest
     assert host_fit["flags"] == "--optimizer-states int8 --master-weights bf16"
     assert host_fit["text"].endswith(
@@ -245,7 +232,7 @@ def test_when_no_setting_fits_it_gives_the_leanest_and_what_it_needs(capsys):
     )
     lean = ["--optimizer-states", "int8", "--master-weights", "bf16"]
     main(["simulate", *FLAGS, *lean, "--host-ram", _host_gb(leanest * 0.9), "--json"])
-    host_fit = _rows(capsys)[0]["host_fit"]
+    host_fit = json_rows(capsys)[0]["host_fit"]
     assert host_fit["flags"] is None and not host_fit["fits"]
     assert host_fit["text"].endswith(
         "no leaner --optimizer-states, --master-weights or --quantize is left"
@@ -275,7 +262,7 @@ def test_a_leaner_run_is_only_offered_leaner_settings():
 def test_a_lora_run_over_the_host_ram_is_told_to_quantize_the_base(capsys):
     flags = ["simulate", "--model", "Qwen3-32B", "--gpus", "8", "--lora", "16"]
     main([*flags, "--seq-len", "1024", "--host-ram", "64", "--schedule", "roundpipe", "--json"])
-    (row,) = _rows(capsys)
+    (row,) = json_rows(capsys)
     host_fit = row["host_fit"]
     assert not row["host_ram_fits"] and host_fit["fits"]
     assert host_fit["flags"] == "--quantize nf4"  # adapters' settings save too little

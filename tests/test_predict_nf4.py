@@ -7,11 +7,11 @@ the per-weight costs written out by hand."""
 
 from __future__ import annotations
 
-import json
 import math
 
 import pytest
 import torch
+from support.predict_models import TINY_LLAMA, json_rows
 from torch import nn
 
 from roundpipe.cli import main
@@ -29,16 +29,7 @@ from roundpipe.predict.unit_costs import (
 )
 
 RTX4090 = gpu_preset("rtx4090")
-TINY = {
-    "architectures": ["LlamaForCausalLM"],
-    "model_type": "llama",
-    "hidden_size": 256,
-    "intermediate_size": 512,
-    "num_hidden_layers": 4,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "vocab_size": 1024,
-}
+TINY = TINY_LLAMA
 NF4 = LeanSettings(quantize="nf4")
 FLAGS = ["simulate", "--model", "Qwen3-1.7B", "--gpus", "2", "--batch", "8", "--seq-len", "512"]
 
@@ -46,10 +37,6 @@ FLAGS = ["simulate", "--model", "Qwen3-1.7B", "--gpus", "2", "--batch", "8", "--
 def _work(quantize: str | None = "nf4", **rest) -> Workload:
     values = {"seq_len": 512, "batch": 8, "lora_rank": 8, **rest}
     return Workload(**values, settings=LeanSettings(quantize=quantize))
-
-
-def _rows(capsys) -> list[dict]:
-    return [json.loads(line) for line in capsys.readouterr().out.splitlines()]
 
 
 def test_the_quantized_base_holds_what_the_runtimes_nf4_layers_hold():
@@ -155,7 +142,7 @@ def test_few_microbatches_on_a_slow_link_get_faster_and_many_pay_for_dequantizin
 
 def test_the_output_states_the_upload_saved_in_text_and_json(capsys):
     main([*FLAGS, "--lora", "8", "--quantize", "nf4", "--schedule", "roundpipe", "--json"])
-    (row,) = _rows(capsys)
+    (row,) = json_rows(capsys)
     assert (row["quantize"], row["optimizer_states"], row["master_weights"]) == (
         "nf4",
         "fp32",

@@ -10,6 +10,7 @@ import os
 from pathlib import Path
 
 import pytest
+from support.predict_models import TINY_LLAMA, json_rows
 
 from roundpipe.cli import main
 from roundpipe.planning.rules import stage_footprint
@@ -19,16 +20,7 @@ from roundpipe.predict.model_specs import ModelSpec, model_preset
 from roundpipe.predict.models import Workload, _Model, cost_model, memory_fit, predict
 
 RTX4090 = gpu_preset("rtx4090")
-TINY = {
-    "architectures": ["LlamaForCausalLM"],
-    "model_type": "llama",
-    "hidden_size": 256,
-    "intermediate_size": 512,
-    "num_hidden_layers": 4,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "vocab_size": 1000,
-}
+TINY = {**TINY_LLAMA, "vocab_size": 1000}
 TINY_WORK = Workload(seq_len=128, batch=4)
 HOST_KEYS = [
     "weights",
@@ -57,10 +49,6 @@ def _hf_params(config: dict, lora_rank: int = 0) -> int:
 def _roundpipe(spec: ModelSpec, work: Workload, gpus: int = 2, host_ram: int | None = None):
     (prediction,) = predict(spec, RTX4090, work, gpus, ("roundpipe",), host_ram=host_ram)
     return prediction
-
-
-def _json_rows(capsys) -> list[dict]:
-    return [json.loads(line) for line in capsys.readouterr().out.splitlines()]
 
 
 def _write_config(tmp_path: Path, config: dict) -> str:
@@ -136,7 +124,7 @@ def test_the_pinned_buffers_are_the_device_pools_idle_cache():
 def test_json_gives_both_breakdowns_in_bytes_with_their_source(capsys):
     argv = ["simulate", "--model", "Qwen3-1.7B", "--gpus", "2", "--batch", "4"]
     main([*argv, "--seq-len", "512", "--host-ram", "256", "--json"])
-    roundpipe, *baselines = _json_rows(capsys)
+    roundpipe, *baselines = json_rows(capsys)
     host, device = roundpipe["host_ram"], roundpipe["device_memory"]
     assert list(host) == [*HOST_KEYS, "total", "available", "capacity", "usable_fraction", "source"]
     assert list(device) == [*DEVICE_KEYS, "total", "available", "capacity", "usable_fraction"]
@@ -151,7 +139,7 @@ def test_json_gives_both_breakdowns_in_bytes_with_their_source(capsys):
 def test_without_host_ram_this_machines_ram_is_the_budget_and_the_output_says_so(capsys):
     argv = ["simulate", "--model", "Qwen3-1.7B", "--gpus", "2", "--batch", "4", "--seq-len", "256"]
     main([*argv, "--schedule", "roundpipe", "--json"])
-    (row,) = _json_rows(capsys)
+    (row,) = json_rows(capsys)
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     assert (row["host_ram"]["capacity"], row["host_ram"]["source"]) == (ram, "this machine")
     main([*argv, "--schedule", "roundpipe"])
@@ -164,7 +152,7 @@ def test_without_host_ram_this_machines_ram_is_the_budget_and_the_output_says_so
 def test_the_text_table_shows_the_json_terms_in_gib(capsys):
     argv = ["simulate", "--model", "Qwen3-1.7B", "--gpus", "2", "--batch", "4", "--seq-len", "512"]
     main([*argv, "--schedule", "roundpipe", "--host-ram", "64", "--json"])
-    (row,) = _json_rows(capsys)
+    (row,) = json_rows(capsys)
     main([*argv, "--schedule", "roundpipe", "--host-ram", "64"])
     lines = {line.split()[0]: line.split() for line in capsys.readouterr().out.splitlines()}
     assert lines["optimizer"][2] == f"{row['host_ram']['optimizer_state'] / GIB:.2f}"
@@ -177,7 +165,7 @@ def test_the_text_table_shows_the_json_terms_in_gib(capsys):
 
 def _suggestion(capsys, *flags: str) -> dict:
     main(["simulate", *flags, "--schedule", "roundpipe", "--json"])
-    (row,) = _json_rows(capsys)
+    (row,) = json_rows(capsys)
     return row["suggestion"]
 
 
@@ -287,12 +275,12 @@ def test_a_saved_config_is_named_by_its_architecture_and_size(tmp_path, capsys):
     model.save_pretrained(tmp_path)
     assert model.num_parameters() == 86912  # "86.9K"
     main(["simulate", "--config", str(tmp_path / "config.json"), "--max-seq-len", "--json"])
-    (row,) = _json_rows(capsys)
+    (row,) = json_rows(capsys)
     assert row["model"] == "Qwen3ForCausalLM 86.9K"
 
 
 def test_a_config_with_a_name_or_path_is_named_by_it(tmp_path, capsys):
     named = {**TINY, "_name_or_path": "my-org/tiny-llama"}
     main(["simulate", "--config", _write_config(tmp_path, named), "--max-seq-len", "--json"])
-    (row,) = _json_rows(capsys)
+    (row,) = json_rows(capsys)
     assert row["model"] == "my-org/tiny-llama"

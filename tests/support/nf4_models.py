@@ -85,3 +85,27 @@ def nf4_bytes_of(module) -> tuple[torch.Tensor, torch.Tensor]:
     """The NF4 bytes and scales of a bitsandbytes ``Linear4bit``."""
     weight = module.weight
     return weight.data.reshape(-1), weight.quant_state.absmax
+
+
+def losses_around_a_checkpoint(open_pipe, checkpoint, batch, load: bool) -> list[float]:
+    """The losses of two calls around a step of a pipe from ``open_pipe()`` (AdamW),
+    after one step saved at ``checkpoint`` (``load=False``) or after loading it
+    (``load=True``); ``batch(seed)`` gives each call's inputs. Equal lists: the resume
+    is exact."""
+    with open_pipe() as pipe:
+        optimizer = torch.optim.AdamW(pipe.optim_parameters(), lr=1e-2)
+
+        def step() -> None:
+            optimizer.step()
+            optimizer.zero_grad()
+
+        if load:
+            pipe.load_checkpoint(checkpoint, optimizer=optimizer)
+        else:
+            pipe.forward_backward(input_kwargs=batch(seed=0))
+            pipe.step(step)
+            pipe.save_checkpoint(checkpoint, optimizer=optimizer)
+        losses = [float(pipe.forward_backward(input_kwargs=batch(seed=1)))]
+        pipe.step(step)
+        losses.append(float(pipe.forward_backward(input_kwargs=batch(seed=2))))
+    return losses

@@ -16,13 +16,13 @@ Usage: python hf_load_measure.py full|lora DIR. Prints one JSON line (bytes):
 from __future__ import annotations
 
 import json
-import resource
 import sys
 import threading
 import time
 
 import peft
 import torch
+from rss import current_rss, peak_rss
 
 import roundpipe
 from roundpipe import Plan, RoundPipeRunConfig
@@ -35,15 +35,6 @@ def anon_bytes() -> int:
             if line.startswith("RssAnon:"):
                 return int(line.split()[1]) * 1024
     raise RuntimeError("no RssAnon in /proc/self/status")
-
-
-def peak_rss() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
-def current_rss() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * resource.getpagesize()
 
 
 class AnonPeak:

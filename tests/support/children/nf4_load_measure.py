@@ -12,25 +12,16 @@ of one ``forward_backward`` on two emulated devices, one layer a stage.
 from __future__ import annotations
 
 import json
-import resource
 import sys
 import time
 
 import peft
 import torch
+from rss import current_rss, peak_rss
 
 import roundpipe
 from roundpipe import Plan, RoundPipeRunConfig
 from roundpipe.hf.nf4 import NF4Linear
-
-
-def peak_rss() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
-def current_rss() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * resource.getpagesize()
 
 
 def nbytes(tensors) -> int:

@@ -13,12 +13,12 @@ NF4 experts), ``load_s`` and the ``loss`` of one ``forward_backward``.
 from __future__ import annotations
 
 import json
-import resource
 import sys
 import time
 from pathlib import Path
 
 import torch
+from rss import current_rss, peak_rss
 
 CONFIG = {
     "architectures": ["Qwen3MoeForCausalLM"],
@@ -89,11 +89,6 @@ def generate(directory: Path) -> None:
     print(json.dumps({"weight_bytes": total}), flush=True)
 
 
-def current_rss() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * resource.getpagesize()
-
-
 def measure(directory: Path) -> None:
     import peft
 
@@ -107,7 +102,7 @@ def measure(directory: Path) -> None:
         directory, torch_dtype=torch.bfloat16, lora=lora, quantize="nf4", devices="emulated:2"
     )
     load_s = time.perf_counter() - start
-    loaded = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    loaded = peak_rss()
     model = pipe.hf_model
     experts = nf4_expert_modules(model).values()
     ids = torch.randint(
