@@ -90,7 +90,9 @@ class Config:
     on the frozen bf16 model, as ``roundpipe train`` does by default, instead of every
     weight."""
     is_async: bool = False
-    """``pipe.step(..., is_async=True)``: one-step-stale asynchronous steps."""
+    """``pipe.step(..., is_async=True)``: one-step-stale asynchronous steps, which write
+    one version while calls read the other (a spare upload buffer per trainable
+    parameter is expected; synchronous steps write the weights in place)."""
     pipe_options: dict = field(default_factory=dict)
     """More keyword arguments of ``roundpipe.from_hf`` (e.g. ``optim_dtype``)."""
     optimizer: dict | None = None
@@ -103,17 +105,12 @@ class Config:
     moment_bytes: float = 4
     """Bytes per element of each of AdamW's two moments (expected; int8: one byte and
     an fp32 scale per block of 256)."""
-    spare: bool = False
-    """Whether a spare upload buffer per trainable parameter is expected (asynchronous
-    steps write one version while calls read the other)."""
 
 
 BF16_MASTERS = {"optim_dtype": "bfloat16"}
 CONFIGS: dict[str, Config] = {
     "full-sync": Config("full AdamW, bf16 model, fp32 masters, sync steps"),
-    "full-async": Config(
-        "full AdamW, bf16 model, fp32 masters, async steps", is_async=True, spare=True
-    ),
+    "full-async": Config("full AdamW, bf16 model, fp32 masters, async steps", is_async=True),
     "lora-sync": Config("LoRA r16 all-linear, bf16 base, sync steps", lora=True),
     "bf16-sync": Config(
         "full AdamW, bf16 masters (the weights), bf16 moments, stochastic rounding, sync",
@@ -139,7 +136,6 @@ CONFIGS: dict[str, Config] = {
         master_bytes=0,
         grad_bytes=2,
         moment_bytes=1 + 4 / 256,
-        spare=True,
     ),
 }
 
@@ -211,7 +207,7 @@ def expected(model, config: Config) -> dict[str, int]:
     model_bytes = sum(p.numel() * p.element_size() for p in params if p.requires_grad)
     return {
         "weights": sum(p.numel() * p.element_size() for p in params),
-        "spare": model_bytes if config.spare else 0,
+        "spare": model_bytes if config.is_async else 0,
         "masters": round(trainable * config.master_bytes),
         "grads": round(trainable * config.grad_bytes),
         "moments": round(2 * trainable * config.moment_bytes),

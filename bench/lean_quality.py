@@ -23,7 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from step_mode import arithmetic_chats, final_eval_loss, roundpipe, write_jsonl
+from step_mode import final_eval_loss, roundpipe, two_tasks
 
 SETTINGS = {  # name: (--master-weights, --optimizer-states)
     "fp32 masters, fp32 states": ("fp32", "fp32"),
@@ -43,11 +43,7 @@ def main() -> None:
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     work = args.workdir or Path(tempfile.mkdtemp(prefix="roundpipe-lean-quality-"))
-    base = work / "base"
-    if not (base / "model.safetensors").exists():
-        roundpipe("--demo", "--output", str(base))  # task A, to convergence
-    train = write_jsonl(work / "sums.jsonl", arithmetic_chats(512, seed=1))
-    held_out = write_jsonl(work / "sums_eval.jsonl", arithmetic_chats(64, seed=2))
+    base, train, held_out = two_tasks(work)
     seeds = [int(s) for s in args.seeds.split(",")]
     runs = []
     for name, (masters, states) in SETTINGS.items():

@@ -60,6 +60,18 @@ def final_eval_loss(output: Path) -> float:
     return [row["eval_loss"] for row in rows if "eval_loss" in row][-1]
 
 
+def two_tasks(work: Path) -> tuple[Path, Path, Path]:
+    """Task A done and task B written under ``work``: the demo model trained to
+    convergence on its chat set (kept between runs), and the arithmetic chats to
+    fine-tune it on (512) and to evaluate it with (64). Returns (model, train, held out)."""
+    base = work / "base"
+    if not (base / "model.safetensors").exists():
+        roundpipe("--demo", "--output", str(base))  # task A, to convergence
+    train = write_jsonl(work / "sums.jsonl", arithmetic_chats(512, seed=1))
+    held_out = write_jsonl(work / "sums_eval.jsonl", arithmetic_chats(64, seed=2))
+    return base, train, held_out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=120)
@@ -68,11 +80,7 @@ def main() -> None:
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     work = args.workdir or Path(tempfile.mkdtemp(prefix="roundpipe-step-mode-"))
-    base = work / "base"
-    if not (base / "model.safetensors").exists():
-        roundpipe("--demo", "--output", str(base))  # task A, to convergence
-    train = write_jsonl(work / "sums.jsonl", arithmetic_chats(512, seed=1))
-    held_out = write_jsonl(work / "sums_eval.jsonl", arithmetic_chats(64, seed=2))
+    base, train, held_out = two_tasks(work)
     runs = []
     for method, flags in METHODS.items():
         for sync in (False, True):
