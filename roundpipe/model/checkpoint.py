@@ -54,7 +54,7 @@ class Checkpoints:
             staged = load(ranks, _absolute(path), live, optimizer, lr_scheduler, grad_scaler)
             files.put(staged, store, self.pool, buffers, self._seeds)
             session.synchronize()  # adopts the written weights (the masters take them) ...
-            files.restore_masters(store, staged.masters)  # ... then their full precision
+            store.restore_masters(staged.masters)  # ... then their full precision
             session.make_current()  # .grad shows the restored gradients
         return staged.extra
 

@@ -224,15 +224,6 @@ def put(staged: Staged, store, pool, buffers, seeds) -> None:
             device.set_rng_state(staged.rng[f"device/{i}"])
 
 
-def restore_masters(store, masters: dict[str, torch.Tensor]) -> None:
-    """Set the masters (and their gradients) to the saved full-precision values."""
-    with torch.no_grad():
-        for name, master in store.masters():
-            master.copy_(masters[name])
-            grad = masters.get(f"grad/{name}")
-            master.grad = None if grad is None else grad.clone()
-
-
 # -- tensors -------------------------------------------------------------------------------
 
 

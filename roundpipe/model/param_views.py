@@ -76,21 +76,14 @@ class ParameterViews:
         every rank calls it."""
         session = self._session
         if session.optimizer.is_current():
-            self._discard_master_grads(set_to_none)
+            self._session.store.discard_grads(set_to_none)
             return
         with session.enter("zero_grad"):
             session.check_open()
             error = session.recover(None)
-            self._discard_master_grads(set_to_none)
+            self._session.store.discard_grads(set_to_none)
             self.model.zero_grad(set_to_none)  # the copies synchronize() showed
             session.fail_if(error)
-
-    def _discard_master_grads(self, set_to_none: bool) -> None:
-        kept = [] if set_to_none else [p for p in self.optim_parameters() if p.grad is not None]
-        self._session.store.discard_grads()
-        with torch.no_grad():
-            for master in kept:
-                master.grad = torch.zeros_like(master)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Inside ``step_fn``: scale the masters' gradients so that their norm over the

@@ -181,11 +181,24 @@ class ParameterStore:
                 if master.grad is not None:
                     master.grad.mul_(factor)
 
-    def discard_grads(self) -> None:
-        for _, master in self.masters():
-            master.grad = None
-        for entry in self.entries.values():
-            entry.local_grad = None
+    def discard_grads(self, set_to_none: bool = True) -> None:
+        """Drop the gradients the next step would apply (this node's too, on several);
+        with ``set_to_none=False`` a master that had a gradient keeps zeros instead."""
+        with self._grad_lock:
+            for _, master in self.masters():
+                kept = not set_to_none and master.grad is not None
+                master.grad = torch.zeros_like(master) if kept else None
+            for entry in self.entries.values():
+                entry.local_grad = None
+
+    def restore_masters(self, values: dict[str, torch.Tensor]) -> None:
+        """Set the masters, and their gradients (``grad/<name>``, absent: none), to
+        saved full-precision ``values``."""
+        with torch.no_grad(), self._grad_lock:
+            for name, master in self.masters():
+                master.copy_(values[name])
+                grad = values.get(f"grad/{name}")
+                master.grad = None if grad is None else grad.clone()
 
     def take_local_grad(self, uid: int) -> torch.Tensor | None:
         """This node's gradient of ``uid`` since the last step, handed over (sharded)."""

@@ -34,10 +34,10 @@ from .optim import (
     Optimization,
     adopt_options,
     build_optimization,
-    discard_gradients,
     lean_note,
     lean_pipe_options,
     lr_factor,
+    step_without_update,
 )
 from .options import TrainOptions, UsageError, changed_options, write_run_yaml
 from .preflight import Prepared
@@ -334,7 +334,7 @@ class Run:
         gradients of a call whose step did not run, and say where the run stands."""
         self.say("Ctrl-C again: abandoning the current step")
         self.pipe.synchronize()
-        self.pipe.step(discard_gradients(self.optimizer), is_async=False)
+        self.pipe.step(step_without_update(self.optimizer), is_async=False)
         done = self.scheduler.last_epoch  # the steps that ran
         batches = self.prepared.train_batches
         tokens = before.tokens + sum(batches.num_tokens(i) for i in range(before.step, done))

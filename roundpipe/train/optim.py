@@ -243,7 +243,7 @@ def build_optimization(
     return Optimization(optimizer, scheduler, step_fn, norms, warmup)
 
 
-def discard_gradients(optimizer: torch.optim.Optimizer) -> Callable[[], None]:
+def step_without_update(optimizer: torch.optim.Optimizer) -> Callable[[], None]:
     """A step function that drops accumulated gradients and changes no weight (for a run
     interrupted between a call and its step)."""
     return lambda: optimizer.zero_grad(set_to_none=True)
