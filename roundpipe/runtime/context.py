@@ -6,6 +6,7 @@ call, and the :class:`WorkerContext` of the device it runs on.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -35,6 +36,9 @@ class WorkerContext:
     after: FollowUp
     accumulated: Callable[[Call], None]
     """Reports to the session that some gradient of a call reached the masters."""
+    gradient_room: threading.Semaphore
+    """Held from a job's gradient download until they reached the masters: at most one
+    job's gradients per device wait in host memory (docs/design.md#gradients)."""
 
     def open_buffer_gates(self, call: Call, job: Job) -> None:
         """Let later calls read the buffers of ``job``'s layers (it will not write them)."""

@@ -20,7 +20,8 @@ from ..core.program import DeviceOp, JobProgram
 from ..core.schedule import JobKind
 from ..devices.base import Event, OpInfo, Slot, Stream
 from ..errors import failure_site
-from .context import JobContext
+from .call import Call
+from .context import JobContext, WorkerContext
 from .prefetch import StageWeights
 from .profiler import TransferTiming
 from .stage_compute import StageCompute
@@ -315,27 +316,40 @@ class JobIssuer:
         worker.after([downloaded.event], write_and_open_gates, failed)
 
     def download_grads(self, op: DeviceOp, stream: Stream) -> None:
-        downloaded = self.download_whole(op, stream, "param grads")
         worker, call, job, scale = self.ctx.worker, self.call, self.job, self.ctx.loss_scale
+        room = worker.gradient_room
+        room.acquire()  # the previous job's gradients reached the masters (or failed)
+        try:
+            downloaded = self.download_whole(op, stream, "param grads")
 
-        def accumulate() -> None:
-            # The optimizer may still be consuming the previous step's gradients.
-            worker.versions.published.wait_for(call.steps_before)
-            grads = downloaded.slot.value
-            if grads:
-                worker.accumulated(call)
-            for uid, grad in grads.items():
-                worker.store.accumulate_grad(uid, grad, scale)
+            def accumulate() -> None:
+                # The optimizer may still be consuming the previous step's gradients.
+                worker.versions.published.wait_for(call.steps_before)
+                _accumulate(worker, call, downloaded.slot.take(), scale)
+                room.release()  # after the download blocks were given back
 
-        worker.after(
-            [downloaded.event], accumulate, lambda error: call.latch.fail(job.index, error)
-        )
+            def failed(error: BaseException) -> None:
+                room.release()  # accumulate raised before releasing, or never ran
+                call.latch.fail(job.index, error)
+
+            worker.after([downloaded.event], accumulate, failed)
+        except BaseException:
+            room.release()
+            raise
 
     def release(self, op: DeviceOp, stream: Stream) -> None:
         def release() -> None:
             self.weights.value = None
 
         stream.submit(release, self.info(op, "release", self.name))
+
+
+def _accumulate(worker: WorkerContext, call: Call, grads: dict, scale: float | None) -> None:
+    """Add a job's downloaded gradients into the masters (they die on return)."""
+    if grads:
+        worker.accumulated(call)
+    for uid, grad in grads.items():
+        worker.store.accumulate_grad(uid, grad, scale)
 
 
 _HANDLERS: dict[str, Callable[[JobIssuer, DeviceOp, Stream], None]] = {

@@ -101,6 +101,7 @@ class DeviceWorker:
             buffer_gates,
             lambda events, fn, on_error: followups.put((events, fn, on_error)),
             accumulated,
+            threading.Semaphore(1),
         )
         self._threads: list[threading.Thread] = []
         self._start_lock = threading.Lock()
