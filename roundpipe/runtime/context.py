@@ -35,7 +35,10 @@ class WorkerContext:
     """Per layer with buffers: the seq of the first call that may read them."""
     after: FollowUp
     accumulated: Callable[[Call], None]
-    """Reports to the session that some gradient of a call reached the masters."""
+    """Reports to the session that some gradient of a call reaches the masters (before
+    the first is added, so that a failure half-way counts it)."""
+    gradients_in: Callable[[Call, Job, frozenset[int]], None]
+    """Reports to the session that a job's gradients (of the given masters) were added."""
     gradient_room: threading.Semaphore
     """Held from a job's gradient download until they reached the masters: at most one
     job's gradients per device wait in host memory (docs/design.md#gradients)."""

@@ -325,7 +325,8 @@ class JobIssuer:
             def accumulate() -> None:
                 # The optimizer may still be consuming the previous step's gradients.
                 worker.versions.published.wait_for(call.steps_before)
-                _accumulate(worker, call, downloaded.slot.take(), scale)
+                uids = _accumulate(worker, call, downloaded.slot.take(), scale)
+                worker.gradients_in(call, job, uids)
                 room.release()  # after the download blocks were given back
 
             def failed(error: BaseException) -> None:
@@ -344,12 +345,16 @@ class JobIssuer:
         stream.submit(release, self.info(op, "release", self.name))
 
 
-def _accumulate(worker: WorkerContext, call: Call, grads: dict, scale: float | None) -> None:
-    """Add a job's downloaded gradients into the masters (they die on return)."""
+def _accumulate(
+    worker: WorkerContext, call: Call, grads: dict, scale: float | None
+) -> frozenset[int]:
+    """Add a job's downloaded gradients into the masters (they die on return); returns
+    the masters that got one."""
     if grads:
         worker.accumulated(call)
     for uid, grad in grads.items():
         worker.store.accumulate_grad(uid, grad, scale)
+    return frozenset(grads)
 
 
 _HANDLERS: dict[str, Callable[[JobIssuer, DeviceOp, Stream], None]] = {

@@ -18,6 +18,7 @@ from ..core.schedule import Job
 from ..devices.base import DevicePool
 from ..errors import RoundPipeError
 from . import failures, lifetime
+from .backward_steps import BackwardSteps
 from .call import Call
 from .driving import Driving
 from .inputs import HostBufferPool
@@ -56,10 +57,17 @@ class Session:
         buffer_gates = {layer.index: VersionGate(0) for layer in layers if layer.buffer_uids}
         self.workers = [
             DeviceWorker(
-                device, layers, store, self.versions, buffer_gates, profiler, self._accumulated
+                device,
+                layers,
+                store,
+                self.versions,
+                buffer_gates,
+                profiler,
+                (self._accumulated, self._gradients_in),
             )
             for device in pool
         ]
+        self.backward_steps = BackwardSteps(store, layers)
         self.optimizer = OptimizerThread(
             store, self.versions, grad_scaler, node, self.state_of, self._discarded
         )
@@ -92,9 +100,15 @@ class Session:
         return self.ledger.state(call)
 
     def _accumulated(self, call: Call) -> None:
-        """From a completer thread: some gradient of ``call`` reached the masters."""
+        """From a completer thread: some gradient of ``call`` reaches the masters."""
         if not self.ledger.state(call).accumulated:
             self._set_state(call, accumulated=True)
+
+    def _gradients_in(self, call: Call, job: Job, uids: frozenset[int]) -> None:
+        """From a completer thread: ``job``'s gradients (of the masters ``uids``) were
+        added; post-accumulate-grad hooks run for the masters whose last one this was."""
+        if not call.failed:
+            self.backward_steps.arrived(call, job, uids)
 
     def _discarded(self, calls: Sequence[Call]) -> None:
         """From the optimizer thread: the gradients ``calls`` accumulated were discarded."""
@@ -190,6 +204,9 @@ class Session:
 
     def issue(self, call: Call, loss_scale: float | None, owned_buffers: list) -> None:
         """Record ``call`` in flight, then hand its first jobs to the workers."""
+        stepping = not call.forward_only and self._steps_in_backward()
+        if stepping and not call.deferred:
+            self.backward_steps.begin(call)
         self._ledger.change(
             lambda now: replace(
                 now.with_state(call, phase=ISSUING, owned_buffers=tuple(owned_buffers)),
@@ -199,6 +216,8 @@ class Session:
             )
         )
         self._dispatch(call, call.first_jobs, loss_scale)
+        if stepping and not call.deferred:
+            self.queue_step(_published_only, is_async=False)
 
     def issue_backward(self, call: Call, loss_scale: float | None) -> None:
         """Dispatch the backward jobs of a deferred call (a ``model(x)`` output's
@@ -207,6 +226,9 @@ class Session:
             raise_second_backward()
         jobs = call.schedule.backward_jobs
         call.latch.add(job.index for job in jobs)
+        stepping = self._steps_in_backward()
+        if stepping:
+            self.backward_steps.begin(call)
         self._ledger.change(
             lambda now: replace(
                 now.with_state(call, phase=ISSUING),
@@ -215,6 +237,12 @@ class Session:
             )
         )
         self._dispatch(call, jobs, loss_scale)
+        if stepping:
+            self.queue_step(_published_only, is_async=False)
+
+    def _steps_in_backward(self) -> bool:
+        optimizer = self.optimizer
+        return self.backward_steps.check(optimizer.node is not None, optimizer.grad_scaler)
 
     def _dispatch(self, call: Call, jobs: tuple[Job, ...], loss_scale: float | None) -> None:
         """Hand ``jobs`` of a call recorded as issuing to their workers, then record it
@@ -224,6 +252,8 @@ class Session:
         self._set_state(call, phase=RUNNING)
 
     def queue_step(self, step_fn, is_async: bool) -> StepTask:
+        if is_async:
+            self.backward_steps.refuse_async()
         ledger = self.ledger
         versions = ledger.versions.after_step(is_async)
         task = StepTask(
@@ -334,6 +364,11 @@ class Session:
             self.pool.close()
         self.closed = True
         lifetime.live_sessions().discard(self)
+
+
+def _published_only() -> None:
+    """The step queued after a call whose masters stepped in its backward: nothing left
+    to apply, the masters are published for the next call."""
 
 
 def raise_second_backward() -> NoReturn:

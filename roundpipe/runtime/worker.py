@@ -86,7 +86,7 @@ class DeviceWorker:
         versions: WeightVersions,
         buffer_gates: Mapping[int, VersionGate],
         profiler: LayerProfiler,
-        accumulated: Callable[[Call], None],
+        reports: tuple[Callable[[Call], None], Callable[[Call, Job, frozenset[int]], None]],
     ) -> None:
         self.device = device
         self.profiler = profiler
@@ -100,7 +100,7 @@ class DeviceWorker:
             versions,
             buffer_gates,
             lambda events, fn, on_error: followups.put((events, fn, on_error)),
-            accumulated,
+            *reports,
             threading.Semaphore(1),
         )
         self._threads: list[threading.Thread] = []
