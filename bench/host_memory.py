@@ -20,6 +20,9 @@ imported), so the model's own bf16 weights count.
   buffers and the Adam moments exist since the first step, nothing is freed yet) minus
   the baseline, over the trainable parameters (for LoRA: the adapters; see
   ``bytes_per_model_param`` for the figure over all parameters).
+  With steps in backward (``int8-backward``: no step after the backward) it is the
+  largest figure any post-accumulate-grad hook of the last call saw on entry, and
+  ``grads`` is the bytes of master gradients held at that moment (measured).
 - ``peak_bytes_per_param``: the largest host figure a background thread saw (sampling
   every 5 ms from before the model is built to the end), minus the baseline, over the
   trainable parameters. It includes transients: the model's construction, the first
@@ -47,6 +50,7 @@ objects).
     .venv/bin/python bench/host_memory.py --json       # one JSON object per configuration
     .venv/bin/python bench/host_memory.py --config full-sync --steps 4
     .venv/bin/python bench/host_memory.py --mmap-threshold 65536   # freed memory given back
+    .venv/bin/python bench/host_memory.py --layers 16 --width 1024  # as many params, smaller stages
 
 With glibc's default (a dynamic mmap threshold that grows to 32 MiB), memory freed by
 one step's transients stays in the heap (``trimmable``); here that includes the
@@ -105,6 +109,9 @@ class Config:
     moment_bytes: float = 4
     """Bytes per element of each of AdamW's two moments (expected; int8: one byte and
     an fp32 scale per block of 256)."""
+    in_backward: bool = False
+    """Steps in backward: one ``make_adamw`` per master, stepped by its post-accumulate-grad
+    hook as soon as its gradient is in (no step after the backward, no clipping)."""
 
 
 BF16_MASTERS = {"optim_dtype": "bfloat16"}
@@ -137,6 +144,15 @@ CONFIGS: dict[str, Config] = {
         grad_bytes=2,
         moment_bytes=1 + 4 / 256,
     ),
+    "int8-backward": Config(
+        "AdamW8bit per parameter stepped in backward, bf16 masters (the weights), no clipping",
+        pipe_options=BF16_MASTERS,
+        optimizer={"states": "int8", "stochastic_round": True},
+        master_bytes=0,
+        grad_bytes=0,
+        moment_bytes=1 + 4 / 256,
+        in_backward=True,
+    ),
 }
 
 MODEL = {
@@ -150,6 +166,21 @@ MODEL = {
     "max_position_embeddings": 512,
     "tie_word_embeddings": False,
 }
+
+
+def shape_model(layers: int, width: int) -> None:
+    """Set :data:`MODEL`'s depth and width (heads of 128, half as many KV heads, an MLP
+    four times as wide as the model)."""
+    heads = max(1, width // 128)
+    MODEL.update(
+        num_hidden_layers=layers,
+        hidden_size=width,
+        intermediate_size=4 * width,
+        num_attention_heads=heads,
+        num_key_value_heads=max(1, heads // 2),
+    )
+
+
 COMPONENTS = ("weights", "spare", "masters", "grads", "moments", "download_cache")
 
 
@@ -224,6 +255,29 @@ def build_optimizer(pipe, config: Config):
     return make_adamw(pipe.optim_parameters(), lr=1e-5, **config.optimizer)
 
 
+def step_in_backward(
+    pipe, config: Config, sampler: Sampler, baseline: int
+) -> list[tuple[int, int]]:
+    """One optimizer per master, stepped by its post-accumulate-grad hook, each hook
+    sampling the host figure and the bytes of the gradients held first (into the
+    returned list)."""
+    from roundpipe.optim import make_adamw
+
+    masters = list(pipe.optim_parameters())
+    optimizers = {p: make_adamw([p], lr=1e-5, **config.optimizer) for p in masters}
+    samples: list[tuple[int, int]] = []
+
+    def hook(param) -> None:
+        grads = sum(m.grad.nbytes for m in masters if m.grad is not None)
+        samples.append((sampler.sample() - baseline, grads))
+        optimizers[param].step()
+        optimizers[param].zero_grad(set_to_none=True)
+
+    for master in masters:
+        master.register_post_accumulate_grad_hook(hook)
+    return samples
+
+
 def measure(name: str, steps: int, batch: int, seq: int, devices: int) -> dict:
     """Train configuration ``name`` in this process and return its figures."""
     import torch
@@ -257,18 +311,36 @@ def measure(name: str, steps: int, batch: int, seq: int, devices: int) -> dict:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
+    hooked: list[tuple[int, int]] = []
+    grads_held: list[int] = []
+    if config.in_backward:
+        hooked = step_in_backward(pipe, config, sampler, baseline)
     generator = torch.Generator().manual_seed(0)
     loss = None
     for _ in range(steps):
         ids = torch.randint(0, MODEL["vocab_size"], (batch, seq), generator=generator)
         loss = pipe.forward_backward(input_kwargs={"input_ids": ids, "labels": ids})
-        pipe.step(step, is_async=config.is_async)
+        if not config.in_backward:
+            pipe.step(step, is_async=config.is_async)
+            continue
+        pipe.synchronize()  # the steady figure: the largest any hook of the call saw
+        figure, grads = max(hooked)
+        steady.append(figure)
+        grads_held.append(grads)
+        hooked.clear()
+        cache.append(pipe.pool.host_blocks.stats().held_bytes)
+        if len(steady) == steps:
+            before_trim = host_bytes(sampler.devices) - baseline
+            LIBC.malloc_trim(0)
+            trimmed.append(host_bytes(sampler.devices) - baseline + steady[-1] - before_trim)
     pipe.synchronize()
     final_loss = float(loss)
     sampler.stop()
     seconds = time.perf_counter() - started
     parts = expected(model, config)
     parts["download_cache"] = cache[-1]
+    if config.in_backward:  # the gradients held when the steady figure was taken
+        parts["grads"] = grads_held[-1]
     params = sum(p.numel() for p in model.parameters())
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     pipe.close()
@@ -296,6 +368,7 @@ def measure(name: str, steps: int, batch: int, seq: int, devices: int) -> dict:
 def run_in_subprocess(name: str, args: argparse.Namespace) -> dict:
     command = [sys.executable, __file__, "--worker", name, "--steps", str(args.steps)]
     command += ["--batch", str(args.batch), "--seq", str(args.seq), "--devices", str(args.devices)]
+    command += ["--layers", str(args.layers), "--width", str(args.width)]
     env = dict(os.environ)
     if args.mmap_threshold is not None:
         env["MALLOC_MMAP_THRESHOLD_"] = str(args.mmap_threshold)
@@ -339,6 +412,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--seq", type=int, default=64)
     parser.add_argument("--devices", type=int, default=2)
+    parser.add_argument("--layers", type=int, default=4, help="decoder layers (default 4)")
+    parser.add_argument("--width", type=int, default=2048, help="hidden size (default 2048)")
     parser.add_argument(
         "--mmap-threshold",
         type=int,
@@ -349,6 +424,7 @@ def main() -> None:
     parser.add_argument("--json", action="store_true", help="one JSON object per line")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    shape_model(args.layers, args.width)
     if args.steps < 2:
         parser.error("--steps must be at least 2 (the steady state needs a previous step)")
     if args.worker:
