@@ -22,7 +22,8 @@ imported), so the model's own bf16 weights count.
   ``bytes_per_model_param`` for the figure over all parameters).
   With steps in backward (``int8-backward``: no step after the backward) it is the
   largest figure any post-accumulate-grad hook of the last call saw on entry, and
-  ``grads`` is the bytes of master gradients held at that moment (measured).
+  ``grads`` and ``download_cache`` are the bytes of master gradients and of download
+  blocks held at that moment (measured).
 - ``peak_bytes_per_param``: the largest host figure a background thread saw (sampling
   every 5 ms from before the model is built to the end), minus the baseline, over the
   trainable parameters. It includes transients: the model's construction, the first
@@ -257,19 +258,20 @@ def build_optimizer(pipe, config: Config):
 
 def step_in_backward(
     pipe, config: Config, sampler: Sampler, baseline: int
-) -> list[tuple[int, int]]:
+) -> list[tuple[int, int, int]]:
     """One optimizer per master, stepped by its post-accumulate-grad hook, each hook
-    sampling the host figure and the bytes of the gradients held first (into the
-    returned list)."""
+    sampling the host figure, the bytes of the gradients and of the download blocks
+    held first (into the returned list)."""
     from roundpipe.optim import make_adamw
 
     masters = list(pipe.optim_parameters())
     optimizers = {p: make_adamw([p], lr=1e-5, **config.optimizer) for p in masters}
-    samples: list[tuple[int, int]] = []
+    samples: list[tuple[int, int, int]] = []
 
     def hook(param) -> None:
         grads = sum(m.grad.nbytes for m in masters if m.grad is not None)
-        samples.append((sampler.sample() - baseline, grads))
+        blocks = pipe.pool.host_blocks.stats().held_bytes
+        samples.append((sampler.sample() - baseline, grads, blocks))
         optimizers[param].step()
         optimizers[param].zero_grad(set_to_none=True)
 
@@ -311,7 +313,7 @@ def measure(name: str, steps: int, batch: int, seq: int, devices: int) -> dict:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    hooked: list[tuple[int, int]] = []
+    hooked: list[tuple[int, int, int]] = []
     grads_held: list[int] = []
     if config.in_backward:
         hooked = step_in_backward(pipe, config, sampler, baseline)
@@ -324,11 +326,11 @@ def measure(name: str, steps: int, batch: int, seq: int, devices: int) -> dict:
             pipe.step(step, is_async=config.is_async)
             continue
         pipe.synchronize()  # the steady figure: the largest any hook of the call saw
-        figure, grads = max(hooked)
+        figure, grads, blocks = max(hooked)
         steady.append(figure)
         grads_held.append(grads)
+        cache.append(blocks)
         hooked.clear()
-        cache.append(pipe.pool.host_blocks.stats().held_bytes)
         if len(steady) == steps:
             before_trim = host_bytes(sampler.devices) - baseline
             LIBC.malloc_trim(0)
