@@ -207,8 +207,10 @@ def test_a_failing_hook_fails_the_call_and_the_model_stays_usable(no_hang):
 
         calls = step_in_backward(masters, on_hook=fail_once)
         no_hang(pipe.forward_backward, (x,), label=y, loss_fn=mse_sum)
-        with pytest.raises(ValueError, match="hook failed"):
+        with pytest.raises(ValueError, match="hook failed") as failed:
             no_hang(pipe.synchronize)
+        note = " ".join(getattr(failed.value, "__notes__", []))
+        assert "parameters had stepped in the backward before it failed" in note
         no_hang(pipe.forward_backward, (x,), label=y, loss_fn=mse_sum)
         no_hang(pipe.synchronize)
     # as in PyTorch, the parameters whose hooks ran before the failure stepped

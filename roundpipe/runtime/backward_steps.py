@@ -36,6 +36,9 @@ class _Arrivals:
 
     remaining: dict[int, int]
     present: set[int]
+    stepped: int = 0
+    running: int = 0
+    """Hooks found due and not yet returned (one that raised stays counted)."""
 
 
 class BackwardSteps:
@@ -88,7 +91,9 @@ class BackwardSteps:
 
     def arrived(self, call: Call, job: Job, present: Iterable[int]) -> None:
         """On a completer thread: ``job``'s gradients (of the masters ``present``) were
-        added; run the hooks of the masters whose last stage this was."""
+        added; run the hooks of the masters whose last stage this was. The call's count
+        is dropped once its last hook ran; a hook that raises leaves it for
+        :meth:`forget`, which tells how many stepped."""
         with self._lock:
             arrivals = self._calls.get(call)
             if arrivals is None:
@@ -101,17 +106,24 @@ class BackwardSteps:
                     del arrivals.remaining[uid]
                     if uid in arrivals.present:
                         complete.append(uid)
-            if not arrivals.remaining:
-                del self._calls[call]
+            arrivals.running += len(complete)
         for uid in complete:  # outside the lock: a hook runs an optimizer step
             master = self._store.entries[uid].master
             for hook in post_accumulate_hooks(master):
                 hook(master)
-
-    def forget(self, call: Call) -> None:
-        """``call`` failed or was cancelled: no more hooks run for it."""
+            with self._lock:
+                arrivals.stepped += 1
+                arrivals.running -= 1
         with self._lock:
-            self._calls.pop(call, None)
+            if not arrivals.remaining and not arrivals.running:
+                self._calls.pop(call, None)
+
+    def forget(self, call: Call) -> int:
+        """``call`` failed (its other jobs have finished): drop its count; returns how
+        many masters stepped in its backward before it failed."""
+        with self._lock:
+            arrivals = self._calls.pop(call, None)
+        return 0 if arrivals is None else arrivals.stepped
 
     def _uids(self, job: Job) -> list[int]:
         """The trainable masters ``job`` downloads a gradient for (one per job)."""

@@ -39,9 +39,11 @@ def discard_gradients(
     return accumulated
 
 
-def note_usable_again(error: BaseException, discarded: bool, kept_for_retry: bool) -> None:
-    """Say on ``error`` that the model is usable again, and what became of the gradients
-    (once per error)."""
+def note_usable_again(
+    error: BaseException, discarded: bool, kept_for_retry: bool, stepped: int = 0
+) -> None:
+    """Say on ``error`` that the model is usable again, what became of the gradients,
+    and how many masters had stepped in a failed call's backward (once per error)."""
     if getattr(error, "roundpipe_noted", False) or not hasattr(error, "add_note"):
         return
     if discarded:
@@ -50,5 +52,10 @@ def note_usable_again(error: BaseException, discarded: bool, kept_for_retry: boo
         text = "the gradients were kept; step() again to retry"
     else:
         text = "the gradients accumulated since the last step were kept"
+    if stepped:
+        text += (
+            f"; {stepped} parameters had stepped in the backward before it failed, as "
+            "post-accumulate-grad hooks do in PyTorch"
+        )
     error.add_note(f"roundpipe: the model is usable again ({text})")
     error.roundpipe_noted = True  # type: ignore[attr-defined]

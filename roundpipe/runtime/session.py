@@ -304,6 +304,7 @@ class Session:
         if self.versions.published.failed:
             self.versions.republish(ledger.versions)
         discarded = bool(discarded_now) or any(ledger.state(c).discarded for c in ledger.in_flight)
+        stepped = sum(self.backward_steps.forget(call) for call in ledger.in_flight)
         buffers = [ledger.state(call).owned_buffers for call in ledger.in_flight]
         self._write(in_flight=(), since_step=(), steps=(), states={})
         for owned in buffers:
@@ -312,7 +313,7 @@ class Session:
             return None
         first = reportable[0]
         kept_for_retry = first in step_errors or step_error
-        failures.note_usable_again(first, discarded, kept_for_retry)
+        failures.note_usable_again(first, discarded, kept_for_retry, stepped)
         return first
 
     # -- lifetime ------------------------------------------------------------------------
