@@ -11,7 +11,9 @@ What is counted. Host memory is what the process holds beyond what the emulated 
 hold (they stand for GPU memory): the resident set (``/proc/self/statm``) minus the sum
 of ``memory_allocated()`` over ``pipe.pool``'s devices, which counts every block a
 device allocated (weights, uploads, activations, what autograd saves) until the block
-is free for reuse (roundpipe/devices/emulated/memory.py). The baseline is the same
+is free for reuse, and what layers compute (``count_compute_memory``: activations and a
+stage's weight gradients, while a call runs) until it dies
+(roundpipe/devices/emulated/memory.py). The baseline is the same
 figure just before the model is built (interpreter, torch, transformers and roundpipe
 imported), so the model's own bf16 weights count.
 
@@ -285,6 +287,7 @@ def measure(name: str, steps: int, batch: int, seq: int, devices: int) -> dict:
     import torch
 
     import roundpipe
+    from roundpipe.devices import EmulatedDevicePool, EmulatedOptions
 
     config = CONFIGS[name]
     sampler = Sampler()
@@ -295,9 +298,10 @@ def measure(name: str, steps: int, batch: int, seq: int, devices: int) -> dict:
     options = dict(config.pipe_options)
     if "optim_dtype" in options:
         options["optim_dtype"] = getattr(torch, options["optim_dtype"])
-    pipe = roundpipe.from_hf(
-        model, devices=f"emulated:{devices}", model_run_config=run_config, **options
-    )
+    # Layers' computed tensors (activations, a stage's weight gradients) count as device
+    # memory, so a sample taken while a call runs does not count them as host memory.
+    pool = EmulatedDevicePool(devices, EmulatedOptions(count_compute_memory=True))
+    pipe = roundpipe.from_hf(model, devices=pool, model_run_config=run_config, **options)
     sampler.devices = list(pipe.pool.devices)
     optimizer = build_optimizer(pipe, config)
     steady: list[int] = []
@@ -346,6 +350,7 @@ def measure(name: str, steps: int, batch: int, seq: int, devices: int) -> dict:
     params = sum(p.numel() for p in model.parameters())
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     pipe.close()
+    pool.close()
     return {
         "config": name,
         "description": config.description,
