@@ -12,7 +12,8 @@
 Every wait runs under a watchdog (``run_within``, or the ``no_hang`` fixture): a hang
 fails the test, with every thread's stack in the message (and the test process then
 exits without running roundpipe's exit hook, which would wait for the hung model).
-Exit behaviour is tested in child processes (``support/children/exit_in_flight.py``).
+Exit behaviour is tested in child processes (``support/children/exit_in_flight.py``, each
+run forked from one process that imported torch once: ``exit_forks.py``).
 Several models and threads driving one model: ``test_concurrency.py``; Ctrl-C:
 ``test_interrupts.py``.
 """
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import copy
 import gc
+import json
 import os
 import re
 import subprocess
@@ -30,8 +32,8 @@ import time
 import warnings
 import weakref
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
@@ -59,6 +61,7 @@ def wait_until(condition: Callable[[], bool], seconds: float) -> bool:
 # -- exit with work in flight ----------------------------------------------------------------
 
 EXIT_CHILD = os.path.join(CHILDREN, "exit_in_flight.py")
+EXIT_FORKS = os.path.join(CHILDREN, "exit_forks.py")
 EXIT_CODES = {"end": 0, "raise": 1, "exit3": 3}
 EXIT_RUNS = 6
 EXIT_LIMIT_S = 45.0
@@ -83,16 +86,24 @@ class Exit:
         return int(found.group(1)) if found else None
 
 
-def run_exit_child(mode: str) -> Exit:
-    proc = start_child([EXIT_CHILD, mode])
-    stdout, stderr, killed = finish_child(proc, EXIT_LIMIT_S)
-    if killed:
-        stderr += f"\n{killed}"
-    return Exit(mode, proc.returncode, stdout, stderr)
+def run_exit_children(modes: list[str], out: str) -> list[Exit]:
+    """One run of ``EXIT_CHILD`` per mode, each in its own process forked (4 at a time)
+    from one that imported torch and roundpipe once (``children/exit_forks.py``)."""
+    server = start_child([EXIT_FORKS, out, str(EXIT_LIMIT_S), *modes])
+    stdout, stderr, killed = finish_child(server, EXIT_LIMIT_S * (len(modes) // 4 + 2))
+    assert server.returncode == 0 and not killed, f"exit_forks.py: {killed}\n{stdout}\n{stderr}"
+    codes = json.loads(Path(out, "codes.json").read_text())
+    runs = []
+    for index, code in enumerate(codes):
+        stdout, stderr = (Path(out, f"{index}.{name}").read_text() for name in ("out", "err"))
+        if code["killed"]:
+            stderr += f"\n(killed: no exit within {EXIT_LIMIT_S:.0f} s)"
+        runs.append(Exit(code["mode"], code["returncode"], stdout, stderr))
+    return runs
 
 
 @pytest.fixture(scope="module")
-def exits(request) -> dict[str, list[Exit]]:
+def exits(request, tmp_path_factory) -> dict[str, list[Exit]]:
     """``EXIT_RUNS`` child runs of each mode this session selected, 4 at a time, and the probe."""
     selected = {
         item.callspec.params["mode"]
@@ -102,8 +113,7 @@ def exits(request) -> dict[str, list[Exit]]:
         and "mode" in item.callspec.params
     }
     modes = ["drain"] + [mode for mode in EXIT_CODES if mode in selected for _ in range(EXIT_RUNS)]
-    with ThreadPoolExecutor(max_workers=4) as pool:
-        runs = list(pool.map(run_exit_child, modes))
+    runs = run_exit_children(modes, str(tmp_path_factory.mktemp("exits")))
     by_mode: dict[str, list[Exit]] = {}
     for run in runs:
         by_mode.setdefault(run.mode, []).append(run)
