@@ -13,7 +13,7 @@ Every wait runs under a watchdog (``run_within``, or the ``no_hang`` fixture): a
 fails the test, with every thread's stack in the message (and the test process then
 exits without running roundpipe's exit hook, which would wait for the hung model).
 Exit behaviour is tested in child processes (``support/children/exit_in_flight.py``, each
-run forked from one process that imported torch once: ``exit_forks.py``).
+run forked from one process that imported torch once: ``forks.py``).
 Several models and threads driving one model: ``test_concurrency.py``; Ctrl-C:
 ``test_interrupts.py``.
 """
@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import copy
 import gc
-import json
 import os
 import re
 import subprocess
@@ -33,12 +32,11 @@ import warnings
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 import torch
 from support import faults
-from support.children.harness import CHILDREN, finish_child, run_within, sgd_step, start_child
+from support.children.harness import CHILDREN, run_forked, run_within, sgd_step
 from support.faults import train_call
 from support.lifecycle import CONFIG, LIMIT_S, NUM_MICROBATCH, new_model, roundpipe_threads
 from support.oracle import assert_weights_close, batch, mlp, mse_sum, pytorch_sgd_step
@@ -61,7 +59,6 @@ def wait_until(condition: Callable[[], bool], seconds: float) -> bool:
 # -- exit with work in flight ----------------------------------------------------------------
 
 EXIT_CHILD = os.path.join(CHILDREN, "exit_in_flight.py")
-EXIT_FORKS = os.path.join(CHILDREN, "exit_forks.py")
 EXIT_CODES = {"end": 0, "raise": 1, "exit3": 3}
 EXIT_RUNS = 6
 EXIT_LIMIT_S = 45.0
@@ -88,18 +85,12 @@ class Exit:
 
 def run_exit_children(modes: list[str], out: str) -> list[Exit]:
     """One run of ``EXIT_CHILD`` per mode, each in its own process forked (4 at a time)
-    from one that imported torch and roundpipe once (``children/exit_forks.py``)."""
-    server = start_child([EXIT_FORKS, out, str(EXIT_LIMIT_S), *modes])
-    stdout, stderr, killed = finish_child(server, EXIT_LIMIT_S * (len(modes) // 4 + 2))
-    assert server.returncode == 0 and not killed, f"exit_forks.py: {killed}\n{stdout}\n{stderr}"
-    codes = json.loads(Path(out, "codes.json").read_text())
-    runs = []
-    for index, code in enumerate(codes):
-        stdout, stderr = (Path(out, f"{index}.{name}").read_text() for name in ("out", "err"))
-        if code["killed"]:
-            stderr += f"\n(killed: no exit within {EXIT_LIMIT_S:.0f} s)"
-        runs.append(Exit(code["mode"], code["returncode"], stdout, stderr))
-    return runs
+    from one that imported torch and roundpipe once (``children/forks.py``)."""
+    runs = run_forked(EXIT_CHILD, [[mode] for mode in modes], out, EXIT_LIMIT_S, parallel=4)
+    return [
+        Exit(mode, code, stdout, stderr + (f"\n{note}" if note else ""))
+        for mode, (code, stdout, stderr, note) in zip(modes, runs, strict=True)
+    ]
 
 
 @pytest.fixture(scope="module")

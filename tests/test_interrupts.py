@@ -6,7 +6,8 @@ a real program, and a model left hung cannot hang pytest:
 * ``support/children/trace_injection.py METHOD``: a trace hook simulates a SIGINT
   arriving at each line event of the caller-side orchestration
   (``roundpipe/model/__init__.py`` and ``roundpipe/runtime/*``) while METHOD runs, once
-  per run, on one model. After each run: the method returned or raised
+  per run, on one model (each METHOD's child forked from one process that imported torch
+  once: ``support/children/forks.py``). After each run: the method returned or raised
   KeyboardInterrupt within seconds, ``synchronize()`` returns without an error, and the
   model is consistent and exact (``support/children/harness.py: assert_consistent``).
   For ``close()``: called again after an interrupted one, it returns and stops every
@@ -26,11 +27,11 @@ import select
 import signal
 import subprocess
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import pytest
-from support.children.harness import CHILDREN, finish_child, start_child
+from support.children.harness import CHILDREN, run_forked, start_child
 
 METHODS = [
     "forward_backward",
@@ -70,12 +71,6 @@ class ChildRun:
         )
 
 
-def run_child(what: str, args: list[str], limit_s: float) -> ChildRun:
-    proc = start_child(args)
-    stdout, stderr, note = finish_child(proc, limit_s)
-    return ChildRun(what, proc.returncode, stdout, stderr, note)
-
-
 # -- a simulated SIGINT at every line ----------------------------------------------------------
 
 
@@ -86,8 +81,9 @@ MODES = {
 
 
 @pytest.fixture(scope="module")
-def injection_runs(request) -> dict[tuple[str, str], Future]:
-    """One child per (method, mode) this session selected, two at a time, started at once."""
+def injection_runs(request, tmp_path_factory) -> dict[tuple[str, str], ChildRun]:
+    """One child per (method, mode) this session selected, two at a time, each forked from
+    one process that imported torch and roundpipe once (``children/forks.py``)."""
     wanted = [
         (item.callspec.params["method"], item.callspec.params["mode"])
         for item in request.session.items
@@ -95,21 +91,20 @@ def injection_runs(request) -> dict[tuple[str, str], Future]:
         and hasattr(item, "callspec")
         and "method" in item.callspec.params
     ]
-    pool = ThreadPoolExecutor(max_workers=2)
-    runs = {
-        (method, mode): pool.submit(
-            run_child, method, [INJECTION_CHILD, method, *MODES[mode]], INJECTION_LIMIT_S
-        )
-        for method, mode in dict.fromkeys(wanted)
+    keys = list(dict.fromkeys(wanted))
+    out = str(tmp_path_factory.mktemp("injections"))
+    runs = [[method, *MODES[mode]] for method, mode in keys]
+    done = run_forked(INJECTION_CHILD, runs, out, INJECTION_LIMIT_S, parallel=2)
+    return {
+        (method, mode): ChildRun(method, code, stdout, stderr, note)
+        for (method, mode), (code, stdout, stderr, note) in zip(keys, done, strict=True)
     }
-    yield runs
-    pool.shutdown(wait=True)
 
 
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("method", METHODS)
 def test_ctrl_c_at_every_line_never_hangs_and_keeps_the_model_exact(method, mode, injection_runs):
-    run = injection_runs[method, mode].result()
+    run = injection_runs[method, mode]
     assert run.ok(), run.report()
 
 
@@ -118,7 +113,7 @@ def test_ctrl_c_at_every_line_never_hangs_and_keeps_the_model_exact(method, mode
 def test_ctrl_c_at_every_line_of_close_then_close_again_stops_every_thread(
     method, mode, injection_runs
 ):
-    run = injection_runs[method, mode].result()
+    run = injection_runs[method, mode]
     assert run.ok(), run.report()
 
 

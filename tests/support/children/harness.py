@@ -207,3 +207,31 @@ def finish_child(proc: subprocess.Popen, limit_s: float) -> tuple[str, str, str]
         proc.kill()
         stdout, stderr = proc.communicate()
         return stdout, stderr, f"(killed: no exit within {limit_s:.0f} s)"
+
+
+def run_forked(
+    script: str, runs: list[list[str]], out: str, limit_s: float, parallel: int
+) -> list[tuple[int | None, str, str, str]]:
+    """Run the child ``script`` once per entry of ``runs`` (its arguments), each in its
+    own process forked (``parallel`` at a time) from one that imported torch and
+    roundpipe once (``forks.py``), each killed after ``limit_s``; -> per run: exit code,
+    stdout, stderr, and a note saying it was killed (empty if it exited on its own)."""
+    import json
+
+    spec = {"script": script, "out": out, "limit_s": limit_s, "parallel": parallel, "runs": runs}
+    server = start_child([os.path.join(CHILDREN, "forks.py"), json.dumps(spec)])
+    rounds = -(-len(runs) // parallel)
+    stdout, stderr, killed = finish_child(server, limit_s * (rounds + 1))
+    assert server.returncode == 0 and not killed, f"forks.py: {killed}\n{stdout}\n{stderr}"
+    with open(os.path.join(out, "codes.json")) as f:
+        codes = json.load(f)
+    results = []
+    for index, code in enumerate(codes):
+        with (
+            open(os.path.join(out, f"{index}.out")) as f_out,
+            open(os.path.join(out, f"{index}.err")) as f_err,
+        ):
+            stdout, stderr = f_out.read(), f_err.read()
+        note = f"(killed: no exit within {limit_s:.0f} s)" if code["killed"] else ""
+        results.append((code["returncode"], stdout, stderr, note))
+    return results

@@ -1,20 +1,21 @@
-"""Runs ``exit_in_flight.py`` once per MODE, each run in its own forked process.
+"""Runs a child script several times, each run in its own process forked from this one.
 
-Usage: ``exit_forks.py OUTDIR LIMIT_S MODE...``. This process imports what
-``exit_in_flight.py`` imports (torch, roundpipe, the oracle, and torch._dynamo, which
-the first optimizer imports) once, runs no torch
-operation and starts no thread, then forks one child per MODE, at most ``PARALLEL`` at
-a time. Each child points its stdout and stderr at ``OUTDIR/<i>.out`` and
-``OUTDIR/<i>.err``, sets ``sys.argv`` to ``exit_in_flight.py MODE`` and executes that
-script's code as the rest of this ``__main__`` module: the script's globals are this
-module's, and when its code ends (falls off the end, raises, ``sys.exit``) so does the
-module, and the child exits through the interpreter's normal shutdown (the threading
-join and ``atexit`` hooks), exactly as the script run on its own would, only without
-importing torch again (a few seconds per run).
+Usage: ``forks.py SPEC``, SPEC a JSON object: ``script`` (a path), ``out`` (a folder),
+``limit_s``, ``parallel`` and ``runs`` (one list of command-line arguments per run).
+This process imports what the child scripts import (torch, roundpipe, the oracle, and
+torch._dynamo, which the first optimizer imports) once, runs no torch operation and
+starts no thread, then forks one child per run, at most ``parallel`` at a time. Each
+child points its stdout and stderr at ``out/<i>.out`` and ``out/<i>.err``, sets
+``sys.argv`` to ``script *args`` and executes the script's code as the rest of this
+``__main__`` module: the script's globals are this module's, and when its code ends
+(falls off the end, raises, ``sys.exit``, ``os._exit``) so does the process, through
+the interpreter's normal shutdown (the threading join and ``atexit`` hooks) where the
+script ends normally: exactly as the script run on its own would, only without
+importing torch again (several seconds per run).
 
-The parent kills a child still running ``LIMIT_S`` seconds after its fork and writes
-``OUTDIR/codes.json``: per run, its exit code (negative: the signal that ended it) and
-whether it was killed.
+The parent kills a child still running ``limit_s`` seconds after its fork and writes
+``out/codes.json``: per run, its exit code (negative: the signal that ended it) and
+whether it was killed. :func:`harness.run_forked` starts this and reads the results.
 """
 
 from __future__ import annotations
@@ -35,18 +36,17 @@ import torch._dynamo  # noqa: E402, F401 - what a first optimizer imports (1-2 s
 import roundpipe  # noqa: E402, F401
 import support.oracle  # noqa: E402, F401
 
-SCRIPT = os.path.join(HERE, "exit_in_flight.py")
-PARALLEL = 4
-OUT, LIMIT_S, MODES = sys.argv[1], float(sys.argv[2]), sys.argv[3:]
+SPEC = json.loads(sys.argv[1])
+SCRIPT, OUT, LIMIT_S = SPEC["script"], SPEC["out"], float(SPEC["limit_s"])
 
 
-def child(index: int, mode: str) -> None:
+def child(index: int, args: list[str]) -> None:
     """In the forked child: this run's output files and command line."""
     for fd, suffix in ((1, "out"), (2, "err")):
         target = os.open(os.path.join(OUT, f"{index}.{suffix}"), os.O_WRONLY | os.O_CREAT, 0o644)
         os.dup2(target, fd)
         os.close(target)
-    sys.argv = [SCRIPT, mode]
+    sys.argv = [SCRIPT, *args]
 
 
 def reap(running: dict[int, tuple[int, float]], codes: dict[int, dict]) -> None:
@@ -66,27 +66,27 @@ def reap(running: dict[int, tuple[int, float]], codes: dict[int, dict]) -> None:
 
 running: dict[int, tuple[int, float]] = {}
 codes: dict[int, dict] = {}
-forked_mode = None
+forked = False
 sys.stdout.flush()
 sys.stderr.flush()
-for index, mode in enumerate(MODES):
-    while len(running) >= PARALLEL:
+for index, args in enumerate(SPEC["runs"]):
+    while len(running) >= SPEC["parallel"]:
         reap(running, codes)
         time.sleep(0.02)
-    codes[index] = {"mode": mode, "returncode": None, "killed": False}
+    codes[index] = {"returncode": None, "killed": False}
     pid = os.fork()
     if pid == 0:
-        child(index, mode)
-        forked_mode = mode
+        child(index, args)
+        forked = True
         break
     running[pid] = (index, time.monotonic())
 
-if forked_mode is None:  # the parent
+if not forked:  # the parent
     while running:
         reap(running, codes)
         time.sleep(0.02)
     with open(os.path.join(OUT, "codes.json"), "w") as f:
-        json.dump([codes[i] for i in range(len(MODES))], f)
+        json.dump([codes[i] for i in range(len(SPEC["runs"]))], f)
     sys.exit(0)
 
 # The forked child: the script's code, as the rest of this module.
