@@ -156,8 +156,9 @@ def test_eval_mode_runs_without_dropout_as_in_pytorch():
         assert not any(m.training for m in model.modules())
         loss = pipe.forward_backward((x,), label=y, loss_fn=mse_sum)
         pipe.synchronize()
-        with torch.no_grad():
-            assert torch.equal(pipe(x), reference(x))
+        with torch.no_grad():  # per microbatch: a GEMM's rounding may depend on its rows
+            expected = torch.cat([reference(xm) for xm in x.tensor_split(3)])
+            assert torch.equal(pipe(x), expected)
     parts = zip(x.tensor_split(3), y.tensor_split(3), strict=True)
     total = sum(mse_sum(reference(xm), ym) for xm, ym in parts)
     total.backward()
