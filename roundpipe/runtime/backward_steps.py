@@ -49,6 +49,9 @@ class BackwardSteps:
         self._layers = layers
         self._calls: dict[Call, _Arrivals] = {}
         self._lock = threading.Lock()
+        self._hooks_running = threading.Lock()
+        """One hook at a time: two optimizer steps at once on two completer threads
+        crashed the interpreter (a segfault in torch.optim.Adam's step, CPU)."""
 
     def active(self) -> bool:
         """Whether some master has a post-accumulate-grad hook (then steps run in the
@@ -107,10 +110,11 @@ class BackwardSteps:
                     if uid in arrivals.present:
                         complete.append(uid)
             arrivals.running += len(complete)
-        for uid in complete:  # outside the lock: a hook runs an optimizer step
+        for uid in complete:  # outside the count's lock: a hook runs an optimizer step
             master = self._store.entries[uid].master
-            for hook in post_accumulate_hooks(master):
-                hook(master)
+            with self._hooks_running:
+                for hook in post_accumulate_hooks(master):
+                    hook(master)
             with self._lock:
                 arrivals.stepped += 1
                 arrivals.running -= 1
