@@ -213,5 +213,7 @@ def test_a_failing_hook_fails_the_call_and_the_model_stays_usable(no_hang):
         assert "parameters had stepped in the backward before it failed" in note
         no_hang(pipe.forward_backward, (x,), label=y, loss_fn=mse_sum)
         no_hang(pipe.synchronize)
-    # as in PyTorch, the parameters whose hooks ran before the failure stepped
-    assert calls[masters[0]] == 1 and all(calls[m] == 2 for m in masters[2:])
+    # As in PyTorch, the parameters whose hooks ran before the failure stepped (which
+    # ones depends on the order the devices' gradients came in); the second call stepped
+    # every one.
+    assert calls[masters[0]] == 1 and all(calls[m] in (1, 2) for m in masters[2:])
