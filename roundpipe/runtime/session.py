@@ -204,9 +204,7 @@ class Session:
 
     def issue(self, call: Call, loss_scale: float | None, owned_buffers: list) -> None:
         """Record ``call`` in flight, then hand its first jobs to the workers."""
-        stepping = not call.forward_only and self._steps_in_backward()
-        if stepping and not call.deferred:
-            self.backward_steps.begin(call)
+        stepping = not call.forward_only and self._steps_in_backward()  # refuses first
         self._ledger.change(
             lambda now: replace(
                 now.with_state(call, phase=ISSUING, owned_buffers=tuple(owned_buffers)),
@@ -215,9 +213,7 @@ class Session:
                 next_seq=call.seq + 1,
             )
         )
-        self._dispatch(call, call.first_jobs, loss_scale)
-        if stepping and not call.deferred:
-            self.queue_step(_published_only, is_async=False)
+        self._dispatch(call, call.first_jobs, loss_scale, stepping and not call.deferred)
 
     def issue_backward(self, call: Call, loss_scale: float | None) -> None:
         """Dispatch the backward jobs of a deferred call (a ``model(x)`` output's
@@ -226,9 +222,7 @@ class Session:
             raise_second_backward()
         jobs = call.schedule.backward_jobs
         call.latch.add(job.index for job in jobs)
-        stepping = self._steps_in_backward()
-        if stepping:
-            self.backward_steps.begin(call)
+        stepping = self._steps_in_backward()  # refuses before anything is recorded
         self._ledger.change(
             lambda now: replace(
                 now.with_state(call, phase=ISSUING),
@@ -236,20 +230,25 @@ class Session:
                 since_step=_with(now.since_step, call),
             )
         )
-        self._dispatch(call, jobs, loss_scale)
-        if stepping:
-            self.queue_step(_published_only, is_async=False)
+        self._dispatch(call, jobs, loss_scale, stepping)
 
     def _steps_in_backward(self) -> bool:
         optimizer = self.optimizer
         return self.backward_steps.check(optimizer.node is not None, optimizer.grad_scaler)
 
-    def _dispatch(self, call: Call, jobs: tuple[Job, ...], loss_scale: float | None) -> None:
+    def _dispatch(
+        self, call: Call, jobs: tuple[Job, ...], loss_scale: float | None, stepping: bool
+    ) -> None:
         """Hand ``jobs`` of a call recorded as issuing to their workers, then record it
-        running (cut short, :meth:`repair` cancels the rest)."""
+        running (cut short, :meth:`repair` cancels the rest). ``stepping``: the jobs'
+        masters step in the backward, and a synchronous publish follows them."""
+        if stepping:
+            self.backward_steps.begin(call)
         for job in jobs:
             self.workers[job.device].submit(call, job, loss_scale)
         self._set_state(call, phase=RUNNING)
+        if stepping:
+            self.queue_step(_published_only, is_async=False)
 
     def queue_step(self, step_fn, is_async: bool) -> StepTask:
         if is_async:
