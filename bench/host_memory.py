@@ -118,6 +118,15 @@ class Config:
 
 
 BF16_MASTERS = {"optim_dtype": "bfloat16"}
+INT8 = {
+    "pipe_options": BF16_MASTERS,
+    "optimizer": {"states": "int8", "stochastic_round": True},
+    "master_bytes": 0,
+    "grad_bytes": 2,
+    "moment_bytes": 1 + 4 / 256,
+}
+"""What the 8-bit configurations share: bf16 masters (the weights), torchao-format 8-bit
+moments (a byte and an fp32 scale per 256), stochastic rounding."""
 CONFIGS: dict[str, Config] = {
     "full-sync": Config("full AdamW, bf16 model, fp32 masters, sync steps"),
     "full-async": Config("full AdamW, bf16 model, fp32 masters, async steps", is_async=True),
@@ -131,30 +140,17 @@ CONFIGS: dict[str, Config] = {
         moment_bytes=2,
     ),
     "int8-sync": Config(
-        "full AdamW8bit, bf16 masters (the weights), stochastic rounding, sync steps",
-        pipe_options=BF16_MASTERS,
-        optimizer={"states": "int8", "stochastic_round": True},
-        master_bytes=0,
-        grad_bytes=2,
-        moment_bytes=1 + 4 / 256,
+        "full AdamW8bit, bf16 masters (the weights), stochastic rounding, sync steps", **INT8
     ),
     "int8-async": Config(
         "full AdamW8bit, bf16 masters (the weights), stochastic rounding, async steps",
         is_async=True,
-        pipe_options=BF16_MASTERS,
-        optimizer={"states": "int8", "stochastic_round": True},
-        master_bytes=0,
-        grad_bytes=2,
-        moment_bytes=1 + 4 / 256,
+        **INT8,
     ),
     "int8-backward": Config(
         "AdamW8bit per parameter stepped in backward, bf16 masters (the weights), no clipping",
-        pipe_options=BF16_MASTERS,
-        optimizer={"states": "int8", "stochastic_round": True},
-        master_bytes=0,
-        grad_bytes=0,
-        moment_bytes=1 + 4 / 256,
         in_backward=True,
+        **{**INT8, "grad_bytes": 0},
     ),
 }
 
