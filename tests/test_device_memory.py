@@ -116,3 +116,31 @@ def test_the_automatic_plan_fits_a_pool_of_unequal_devices():
         ) as wrapped,
     ):
         wrapped.forward_backward((x,), label=y, loss_fn=mse_sum)
+
+
+def test_device_memory_reports_each_devices_allocated_and_peak_bytes():
+    config = RoundPipeRunConfig(num_microbatch=5, execute_plan=PLAN)
+    options = EmulatedOptions(count_compute_memory=True)
+    x, y = torch.randn(10, WIDTH), torch.randn(10, WIDTH)
+    with RoundPipe(
+        wide_model(), devices="emulated:4", model_run_config=config, emulated_options=options
+    ) as wrapped:
+        before = wrapped.device_memory()
+        assert [row["device"] for row in before] == [f"emulated:{i}" for i in range(4)]
+        assert all(row["allocated"] == row["peak"] == 0 for row in before)
+        wrapped.forward_backward((x,), label=y, loss_fn=mse_sum)
+        wrapped.synchronize()
+        for device in wrapped.pool:
+            drained(device)
+        rows = wrapped.device_memory()
+        assert [set(row) for row in rows] == [{"device", "allocated", "peak"}] * 4
+        for row, device in zip(rows, wrapped.pool, strict=True):
+            assert row["peak"] == device.max_memory_allocated()
+            assert row["allocated"] == device.memory_allocated() == 0
+            # two stages' weights were on every device at once (a stage and its prefetch)
+            assert 2 * STAGE_BYTES <= row["peak"] <= bound(1)
+        wrapped.reset_peak_memory()
+        assert all(row["peak"] == row["allocated"] == 0 for row in wrapped.device_memory())
+        wrapped.forward_backward((x,), label=y, loss_fn=mse_sum)
+        wrapped.synchronize()
+        assert all(row["peak"] >= 2 * STAGE_BYTES for row in wrapped.device_memory())

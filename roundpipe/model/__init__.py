@@ -11,7 +11,6 @@ time; a second thread driving it at once gets a clear error.
 from __future__ import annotations
 
 import functools
-import time
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -25,7 +24,6 @@ from ..core.config import RoundPipeRunConfig, checked_run_config
 from ..core.keys import Loss, Output
 from ..core.plan import Plan
 from ..core.schedule import Schedule, lower
-from ..core.timeline import HOST, Span, Timeline
 from ..devices import DevicePool, EmulatedOptions, make_pool
 from ..planning.planner import AutoPlanner
 from ..runtime import optimizer_guard
@@ -41,12 +39,13 @@ from ..runtime.session import Session
 from ..runtime.sync import wait_future
 from .checkpoint import Checkpoints
 from .module_call import ModuleCall
+from .observe import Observation
 from .param_views import ParameterViews
 
 PIN_MODES = ("auto", "alloc", "register", "off")
 
 
-class RoundPipe(ModuleCall, Checkpoints, ParameterViews, nn.Module):
+class RoundPipe(ModuleCall, Checkpoints, ParameterViews, Observation, nn.Module):
     """Train ``model`` (each entry of an ``nn.Sequential`` is one layer) on a device pool.
 
     >>> model = RoundPipe(nn.Sequential(...), devices="emulated:4")
@@ -237,31 +236,6 @@ class RoundPipe(ModuleCall, Checkpoints, ParameterViews, nn.Module):
         with self._session.enter("synchronize") as session:
             session.check_open()
             session.synchronize()
-
-    # -- timelines ------------------------------------------------------------------------
-
-    def start_timeline(self) -> None:
-        """Record every executed device op from now on (see :meth:`timeline`)."""
-        self.synchronize()
-        self.pool.start_recording()
-        if self._node is not None:
-            self._node.comm.spans = []
-        self._timeline_origin = time.perf_counter()
-
-    def timeline(self) -> Timeline:
-        """Wait for queued work; the ops run since :meth:`start_timeline`, as a Timeline.
-
-        Export it with ``save_chrome_trace(path)`` (Perfetto) or ``save_gantt(path)``.
-        On several nodes, the gradient and weight collectives appear as host spans of
-        kind ``"comm"`` on stream ``"network"``.
-        """
-        self.synchronize()
-        origin = getattr(self, "_timeline_origin", 0.0)
-        timeline = Timeline.from_records(self.pool.spans(), origin)
-        if self._node is not None:
-            for what, start, end in list(self._node.comm.spans or ()):
-                timeline.add(Span(HOST, "network", "comm", what, start - origin, end - origin))
-        return timeline
 
     # -- parameters ----------------------------------------------------------------------
 
