@@ -36,6 +36,10 @@ class RoundPipeRunConfig:
     - ``gate_weight_chunks``: a weight chunk enters the device's copy queue only behind
       the activation uploads pending when it is issued (copy engines are FIFO, so this
       is what keeps activations ahead of prefetch); ``False`` issues chunks at once.
+    - ``seq_chunk_tokens``: layers that can (the MLPs of ``from_hf`` models) process a
+      sequence in chunks of at most this many tokens, each chunk recomputed in the
+      backward, so a long sequence's MLP activations never exist at once
+      (docs/design.md#long-context); ``None`` runs every layer over the whole sequence.
     """
 
     num_microbatch: int | None = None
@@ -48,6 +52,7 @@ class RoundPipeRunConfig:
     weight_chunk_bytes: int | None = 256 * 2**20
     prefetch_stages: int = 1
     gate_weight_chunks: bool = True
+    seq_chunk_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if self.num_microbatch is not None and (
@@ -84,6 +89,9 @@ class RoundPipeRunConfig:
         _check_count("prefetch_stages", self.prefetch_stages)
         if not 1 <= self.prefetch_stages <= 4:
             raise ValueError(f"prefetch_stages must be 1 to 4, got {self.prefetch_stages}")
+        _check_count("seq_chunk_tokens", self.seq_chunk_tokens, optional=True)
+        if self.seq_chunk_tokens is not None and self.seq_chunk_tokens < 1:
+            raise ValueError(f"seq_chunk_tokens must be positive, got {self.seq_chunk_tokens}")
         if self.weight_chunk_bytes is not None and self.weight_chunk_bytes < 1:
             raise ValueError(f"weight_chunk_bytes must be positive, got {self.weight_chunk_bytes}")
 

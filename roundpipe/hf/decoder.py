@@ -9,6 +9,7 @@ its device (docs/design.md#hugging-face-models).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import inspect
@@ -19,6 +20,7 @@ from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
 
 from .families import Family
+from .long_context import packed_segments, segmented_attention, tile, tile_tokenwise
 from .router import (
     RouterLoss,
     add_router_sums,
@@ -73,15 +75,22 @@ class DecoderLayer(nn.Module):
         self.mask_kind = mask_kind
         self.router_loss = router_loss
         self._cache_kwarg = _mask_kwargs()
+        if router_loss is None:  # the router loss reads one set of router logits per layer
+            tile_tokenwise(layer)
 
     def forward(self, state):
         hidden, attention_mask, position_ids, labels, router_sums = state
         positions = position_ids
         if positions is None:
             positions = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
-        mask = self._mask(hidden, attention_mask, positions)
+        segments = self._segments(attention_mask, position_ids)
+        if segments is None:
+            mask = self._mask(hidden, attention_mask, positions)
+            attention = contextlib.nullcontext()
+        else:
+            mask, attention = segments, segmented_attention(self.config)
         cos_sin = self.rotary(hidden, positions)
-        with capture() as router_logits:
+        with attention, capture() as router_logits:
             out = self.layer(
                 hidden, attention_mask=mask, position_ids=positions, position_embeddings=cos_sin
             )
@@ -91,6 +100,18 @@ class DecoderLayer(nn.Module):
                 router_sums, router_logits, attention_mask, self.router_loss
             )
         return hidden, attention_mask, position_ids, labels, router_sums
+
+    def _segments(self, attention_mask, position_ids):
+        """The packed examples of a batch of one sequence when SDPA can attend within
+        each alone, instead of through an ``S x S`` mask (docs/design.md#long-context)."""
+        if (
+            attention_mask is not None
+            or position_ids is None
+            or self.mask_kind != "full_attention"
+            or self.config._attn_implementation != "sdpa"
+        ):
+            return None
+        return packed_segments(position_ids)
 
     def _mask(self, hidden, attention_mask, positions):
         from transformers.masking_utils import (
@@ -124,6 +145,7 @@ class HeadLayer(nn.Module):
     ) -> None:
         super().__init__()
         self.norm = norm
+        tile(norm)
         self.lm_head = lm_head
         self.chunk_tokens = chunk_tokens
         self.router_loss = router_loss

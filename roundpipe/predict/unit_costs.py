@@ -25,7 +25,8 @@ over the experts in Python (find the expert's tokens, which syncs with the host,
 gather, three GEMMs, activation, weighted scatter-add); backward replays it twice."""
 HEAD_BYTES_PER_LOGIT = 1.2
 """Head memory per token and vocabulary entry that grows with the sequence (calibrated
-to the published maximum lengths; roundpipe.hf.decoder's chunked loss itself is bounded)."""
+to the published maximum lengths: the paper's loss; roundpipe.hf.decoder's chunked loss
+itself is bounded, :func:`tiled_head_bytes`)."""
 LOSS_CHUNK_TOKENS = 4096
 """Tokens per chunk of the head's loss (``roundpipe.hf.decoder.LOSS_CHUNK_TOKENS``)."""
 
@@ -80,9 +81,12 @@ def layer_cost(
     window: int | None,
     lora_rank: int,
     quantized: bool = False,
+    seq_chunk: int | None = None,
 ) -> UnitCost:
     """A decoder layer: attention (full or over a sliding ``window``) and MLP or MoE;
-    ``quantized``: its frozen linear weights uploaded in NF4 and dequantized on the GPU."""
+    ``quantized``: its frozen linear weights uploaded in NF4 and dequantized on the GPU;
+    ``seq_chunk``: its MLP and norms tiled in chunks of that many tokens (the memory of
+    :func:`tiled_layer_bytes`, and one more forward of each chunk in the backward)."""
     frozen = lora_rank > 0
     h, q, kv = spec.hidden_size, spec.q_width, spec.kv_width
     dense_linear = h * (2 * q + 2 * kv) + 3 * h * spec.intermediate_size + spec.router_params
@@ -111,13 +115,63 @@ def layer_cost(
         + experts_bwd
         + dequantize
     )
-    activations = tokens * _saved_bytes(spec, frozen, lora_rank > 0)
+    activations = int(ACTIVATION_FACTOR * tokens * _saved_bytes(spec, frozen, lora_rank > 0))
+    if seq_chunk is not None:
+        activations = tiled_layer_bytes(spec, tokens, seq_chunk)
+        backward += tokens * _mlp_forward_flops(spec) / kernels.matmul_speed
     return UnitCost(
         forward,
         backward,
         (spec.layer_params - nf4 + adapters) * HALF + nf4_bytes(nf4),
-        int(ACTIVATION_FACTOR * activations),
+        activations,
     )
+
+
+def tiled_layer_bytes(spec: ModelSpec, tokens: int, chunk: int) -> int:
+    """Device bytes of a decoder layer's backward over ``tokens`` with its MLP and norms
+    tiled in chunks of ``chunk`` tokens (docs/design.md#long-context), besides its
+    weights and gradients: what grows with the sequence, per token, plus one chunk's
+    working set. Measured on the emulated device (tests/test_long_context.py)."""
+    h, q, kv = spec.hidden_size, spec.q_width, spec.kv_width
+    # the saved input, its autograd copy, the incoming gradient, the output, the
+    # attention's residual, the norms' outputs, o_proj's output or its gradient
+    hidden = 7 * HALF * h
+    # rotated q and k, v, the attention output, its log-sum-exp, the rotary tables
+    attention = HALF * (2 * q + 2 * kv) + FP32 * spec.num_heads + 2 * HALF * spec.head_dim
+    if spec.qk_norm:  # per-head norms over (S, heads, dim) are not tiled: fp32 copies
+        attention += (FP32 + HALF) * (q + kv)
+    # the peak comes in the attention's backward (the gradients of q, k and v) or in
+    # one tiled chunk's, whichever needs more
+    working = max(tokens * HALF * (q + 2 * kv), min(tokens, chunk) * _chunk_bytes_per_token(spec))
+    return tokens * (hidden + attention) + working
+
+
+def tiled_head_bytes(spec: ModelSpec, tokens: int, chunk: int) -> int:
+    """The head's backward with its norm tiled and its loss in chunks of
+    ``LOSS_CHUNK_TOKENS``: the input, its copy, the normed hidden states and their
+    gradients per token, and one loss chunk's logits."""
+    h, v = spec.hidden_size, spec.vocab_size
+    loss_chunk = min(tokens, LOSS_CHUNK_TOKENS)
+    norm_chunk = min(tokens, chunk) * 6 * FP32 * h
+    return (
+        tokens * 5 * HALF * h
+        + loss_chunk * v * (LOSS_FORWARD_BYTES + LOSS_BACKWARD_BYTES)
+        + norm_chunk
+    )
+
+
+def _chunk_bytes_per_token(spec: ModelSpec) -> int:
+    """One tiled chunk's working set per token: an MLP's gate, up and activation
+    outputs and their gradients (the routed experts' in an MoE layer), a norm's
+    float32 copies."""
+    width = spec.intermediate_size or spec.experts_per_token * spec.moe_intermediate_size
+    return 6 * HALF * width + 6 * FP32 * spec.hidden_size
+
+
+def _mlp_forward_flops(spec: ModelSpec) -> int:
+    """Matmul flops per token of the MLP's forward (the routed experts' in an MoE)."""
+    width = spec.intermediate_size or spec.experts_per_token * spec.moe_intermediate_size
+    return 2 * 3 * spec.hidden_size * width
 
 
 def dequantized_params(spec: ModelSpec, tokens: int) -> int:
@@ -135,8 +189,11 @@ def dequantize_time(num_params: int, kernels: Kernels) -> float:
     return float(num_params * (NF4_BYTES + DEQUANTIZED_BYTES)) / kernels.memory_speed
 
 
-def head_cost(spec: ModelSpec, kernels: Kernels, tokens: int, frozen: bool) -> UnitCost:
-    """Final norm, LM head and the loss in chunks (each chunk recomputed in backward)."""
+def head_cost(
+    spec: ModelSpec, kernels: Kernels, tokens: int, frozen: bool, seq_chunk: int | None = None
+) -> UnitCost:
+    """Final norm, LM head and the loss in chunks (each chunk recomputed in backward);
+    ``seq_chunk``: the norm tiled too, memory as :func:`tiled_head_bytes`."""
     h, v = spec.hidden_size, spec.vocab_size
     matmul = 2 * tokens * v * h
     loss_fwd = tokens * (v * LOSS_FORWARD_BYTES + NORM_BYTES * h)
@@ -147,7 +204,10 @@ def head_cost(spec: ModelSpec, kernels: Kernels, tokens: int, frozen: bool) -> U
     chunk = min(tokens, LOSS_CHUNK_TOKENS)
     working = chunk * v * (LOSS_FORWARD_BYTES + LOSS_BACKWARD_BYTES) // 2
     saved = tokens * ((2 * HALF + FP32) * h + HEAD_BYTES_PER_LOGIT * v)
-    return UnitCost(forward, backward, spec.embedding_params * HALF, int(saved + working))
+    memory = int(saved + working)
+    if seq_chunk is not None:
+        memory = tiled_head_bytes(spec, tokens, seq_chunk)
+    return UnitCost(forward, backward, spec.embedding_params * HALF, memory)
 
 
 def embedding_cost(spec: ModelSpec, kernels: Kernels, tokens: int, frozen: bool) -> UnitCost:

@@ -76,6 +76,8 @@ class Call:
     forward_only: bool = False
     rng_seed: int = 0
     """The seed its layers' random numbers derive from (:mod:`.seeds`)."""
+    seq_chunk_tokens: int | None = None
+    """What its layers see as ``roundpipe.core.tiling.seq_chunk_tokens()``."""
     mailbox: Mailbox = field(default_factory=Mailbox)
     latch: Latch = field(init=False)
     shape: CallShape = field(init=False)
@@ -102,6 +104,7 @@ class Call:
             chunk_bytes=config.weight_chunk_bytes,
             prefetch_stages=config.prefetch_stages,
             gate_chunks=config.gate_weight_chunks,
+            seq_chunk_tokens=config.seq_chunk_tokens,
             labels=labels,
             steps_before=versions.newest,
             forward_only=fields["loss_fn"] is None and not schedule.backward_jobs,

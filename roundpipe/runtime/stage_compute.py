@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from ..core.keys import Activation, InputGrad, Loss, Output, RngState
+from ..core.tiling import sequence_tiling
 from ..devices.base import OpInfo, Slot, Timer
 from ..errors import failure_site
 from .context import JobContext
@@ -118,6 +119,7 @@ class StageCompute:
             with (
                 failure_site(f"{layer} in {self.name}, microbatch {m}"),
                 self.device.random_scope(layer_seed(seed, index), shell),
+                sequence_tiling(self.call.seq_chunk_tokens),
             ):
                 output = self.timed(kind, range(index, index + 1), shell, *args, **kwargs)
                 return ((output,), {})

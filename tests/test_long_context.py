@@ -1,0 +1,157 @@
+"""Long sequences: tiled MLP and norms, attention per packed example, and the memory law
+they give a decoder layer's backward (docs/design.md#long-context).
+
+Oracles: the Hugging Face model itself (losses and gradients in float32), the same
+pipe untiled, and the emulated device's memory counting what layers compute."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from test_hf_from_hf import build, hf_loss_and_grads  # noqa: E402
+from test_hf_packing import packed_batch  # noqa: E402
+
+import roundpipe  # noqa: E402
+from roundpipe import EmulatedOptions, RoundPipeRunConfig  # noqa: E402
+from roundpipe.predict.model_specs import ModelSpec  # noqa: E402
+from roundpipe.predict.unit_costs import tiled_layer_bytes  # noqa: E402
+
+VOCAB = 64
+PLAN = "1,1|1,1,1"  # embedding, one decoder layer, head: each its own stage
+CHUNK = 256
+
+
+def llama(intermediate: int = 344, dtype=torch.bfloat16):
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=128,
+        intermediate_size=intermediate,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1 << 16,
+        attn_implementation="sdpa",
+    )
+    return transformers.LlamaForCausalLM(config).to(dtype)
+
+
+def long_batch(tokens: int, packed: bool, example: int = 1000) -> dict:
+    ids = torch.randint(0, VOCAB, (1, tokens), generator=torch.Generator().manual_seed(0))
+    batch = {"input_ids": ids, "labels": ids.clone()}
+    if packed:  # examples of ``example`` tokens, positions restarting at each
+        batch["position_ids"] = (torch.arange(tokens) % example).unsqueeze(0)
+    return batch
+
+
+def run(model, batch, chunk: int | None, capacity: int | None = None) -> tuple[float, int]:
+    """One training call on one emulated device, a stage per unit, every layer's input
+    saved: the loss and the device's peak bytes."""
+    config = RoundPipeRunConfig(
+        num_microbatch=1, recompute_grain="layer", execute_plan=PLAN, seq_chunk_tokens=chunk
+    )
+    options = EmulatedOptions(capacity_bytes=capacity, count_compute_memory=True)
+    with roundpipe.from_hf(
+        model, devices="emulated:1", model_run_config=config, emulated_options=options
+    ) as pipe:
+        loss = pipe.forward_backward(input_kwargs=batch)
+        pipe.synchronize()
+        return loss.item(), pipe.device_memory()[0]["peak"]
+
+
+def bytes_per_token(tokens: int, packed: bool, chunk: int | None, intermediate: int = 344):
+    """The device's peak less three copies of the weights (a stage's, the prefetched
+    one's and the gradients), per token."""
+    model = llama(intermediate)
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    _, peak = run(model, long_batch(tokens, packed), chunk)
+    return (peak - 3 * weights) / tokens
+
+
+# -- equal to the Hugging Face model ------------------------------------------------------
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "mistral"])
+def test_tiled_packed_training_equals_the_hugging_face_model(family):
+    model = build(family)
+    batch = packed_batch()
+    want, want_grads = hf_loss_and_grads(model, batch, use_cache=False)
+    config = RoundPipeRunConfig(num_microbatch=3, seq_chunk_tokens=5)
+    with roundpipe.from_hf(model, devices="emulated:2", model_run_config=config) as pipe:
+        loss = pipe.forward_backward(input_kwargs=batch)
+        pipe.synchronize()
+    torch.testing.assert_close(loss.detach(), want, rtol=1e-5, atol=1e-6)
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(param.grad, want_grads[name], rtol=1e-4, atol=1e-6)
+
+
+def test_tiling_leaves_the_model_as_transformers_runs_and_saves_it(tmp_path):
+    model = llama(dtype=torch.float32)
+    keys = list(model.state_dict())
+    batch = long_batch(600, packed=True, example=200)
+    with torch.no_grad():
+        before = model(**batch).loss
+    with roundpipe.from_hf(
+        model,
+        devices="emulated:1",
+        model_run_config=RoundPipeRunConfig(num_microbatch=1, seq_chunk_tokens=100),
+    ) as pipe:
+        pipe.forward_backward(input_kwargs=batch)
+        pipe.synchronize()
+        pipe.save_pretrained(tmp_path)
+    assert list(model.state_dict()) == keys
+    assert model.config._attn_implementation == "sdpa"
+    with torch.no_grad():  # outside RoundPipe: no tiling, the same loss
+        torch.testing.assert_close(model(**batch).loss, before)
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert list(reloaded.state_dict()) == keys
+
+
+# -- the memory law -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["causal", "packed"])
+def test_a_tiled_layers_backward_memory_per_token_does_not_grow_with_the_sequence(packed):
+    per_token = [bytes_per_token(s, packed, CHUNK) for s in (4096, 8192, 16384)]
+    assert max(per_token) <= 1.10 * min(per_token), per_token
+
+
+def test_a_tiled_layers_memory_hardly_moves_when_the_mlp_doubles():
+    tiled = [bytes_per_token(8192, True, CHUNK, width) for width in (344, 688)]
+    assert abs(tiled[1] / tiled[0] - 1) < 0.10, tiled
+    untiled = [bytes_per_token(8192, True, None, width) for width in (344, 688)]
+    assert untiled[1] / untiled[0] > 1.3, untiled  # what tiling removed
+
+
+def test_the_predicted_law_matches_the_emulated_device():
+    """The bytes per token the predictor charges a tiled layer (roundpipe.predict) against
+    what the emulated device measured for the same shapes."""
+    spec = ModelSpec.from_config(llama().config)
+    for tokens in (4096, 16384):
+        measured = bytes_per_token(tokens, False, CHUNK) * tokens
+        predicted = tiled_layer_bytes(spec, tokens, CHUNK)
+        assert predicted == pytest.approx(measured, rel=0.15), (tokens, predicted, measured)
+
+
+def test_a_sequence_too_long_untiled_trains_tiled_in_the_same_capacity():
+    model = llama(dtype=torch.float32)
+    batch = long_batch(4096, packed=True)
+    untiled_loss, untiled_peak = run(model, batch, None)
+    untiled_grads = {name: param.grad for name, param in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    _, tiled_peak = run(model, batch, CHUNK)
+    assert tiled_peak < 0.8 * untiled_peak
+    capacity = (tiled_peak + untiled_peak) // 2
+    with pytest.raises(torch.OutOfMemoryError):
+        run(model, batch, None, capacity)
+    model.zero_grad(set_to_none=True)
+    want, want_grads = hf_loss_and_grads(model, batch, use_cache=False)
+    loss, _ = run(model, batch, CHUNK, capacity)
+    assert loss == pytest.approx(untiled_loss, rel=1e-5)
+    assert loss == pytest.approx(want.item(), rel=1e-5)
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(param.grad, want_grads[name], rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(param.grad, untiled_grads[name], rtol=1e-4, atol=1e-6)
