@@ -24,9 +24,11 @@ PLAN = "1,1|1,1,1"  # embedding, one decoder layer, head: each its own stage
 CHUNK = 256
 
 
-def llama(intermediate: int = 344, dtype=torch.bfloat16):
+def llama(intermediate: int = 344, dtype=torch.bfloat16, family: str = "llama"):
+    """A one-layer Llama-shaped model (Qwen3: with norms on every query and key head)."""
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(
+    kind = transformers.Qwen3Config if family == "qwen3" else transformers.LlamaConfig
+    config = kind(
         vocab_size=VOCAB,
         hidden_size=128,
         intermediate_size=intermediate,
@@ -36,7 +38,8 @@ def llama(intermediate: int = 344, dtype=torch.bfloat16):
         max_position_embeddings=1 << 16,
         attn_implementation="sdpa",
     )
-    return transformers.LlamaForCausalLM(config).to(dtype)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    return model.to(dtype)
 
 
 def long_batch(tokens: int, packed: bool, example: int = 1000) -> dict:
@@ -62,10 +65,12 @@ def run(model, batch, chunk: int | None, capacity: int | None = None) -> tuple[f
         return loss.item(), pipe.device_memory()[0]["peak"]
 
 
-def bytes_per_token(tokens: int, packed: bool, chunk: int | None, intermediate: int = 344):
+def bytes_per_token(
+    tokens: int, packed: bool, chunk: int | None, intermediate: int = 344, family: str = "llama"
+):
     """The device's peak less three copies of the weights (a stage's, the prefetched
     one's and the gradients), per token."""
-    model = llama(intermediate)
+    model = llama(intermediate, family=family)
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     _, peak = run(model, long_batch(tokens, packed), chunk)
     return (peak - 3 * weights) / tokens
@@ -126,12 +131,13 @@ def test_a_tiled_layers_memory_hardly_moves_when_the_mlp_doubles():
     assert untiled[1] / untiled[0] > 1.3, untiled  # what tiling removed
 
 
-def test_the_predicted_law_matches_the_emulated_device():
-    """The bytes per token the predictor charges a tiled layer (roundpipe.predict) against
-    what the emulated device measured for the same shapes."""
-    spec = ModelSpec.from_config(llama().config)
-    for tokens in (4096, 16384):
-        measured = bytes_per_token(tokens, False, CHUNK) * tokens
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_the_predicted_law_matches_the_emulated_device(family):
+    """The bytes the predictor charges a tiled layer (roundpipe.predict) against what the
+    emulated device measured for the same shapes."""
+    spec = ModelSpec.from_config(llama(family=family).config)
+    for tokens in (8192, 16384):
+        measured = bytes_per_token(tokens, True, CHUNK, family=family) * tokens
         predicted = tiled_layer_bytes(spec, tokens, CHUNK)
         assert predicted == pytest.approx(measured, rel=0.15), (tokens, predicted, measured)
 

@@ -12,6 +12,14 @@ import contextlib
 from collections.abc import Iterator
 from contextvars import ContextVar
 
+DEFAULT_SEQ_CHUNK_TOKENS = 4096
+"""The chunk ``roundpipe train`` tiles long sequences in and the predictions assume:
+big enough for a GPU's matmuls to run at full speed, small beside a long sequence."""
+
+TILED_LOSS_LOGITS = 2**26
+"""With sequence tiling, the most logits one chunk of a ``from_hf`` model's loss
+computes at once (about 1.3 GB in its backward: 512 tokens of a 128K vocabulary)."""
+
 _CHUNK: ContextVar[int | None] = ContextVar("roundpipe_seq_chunk_tokens", default=None)
 
 

@@ -20,7 +20,13 @@ from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
 
 from .families import Family
-from .long_context import packed_segments, segmented_attention, tile, tile_tokenwise
+from .long_context import (
+    loss_chunk_tokens,
+    packed_segments,
+    segmented_attention,
+    tile,
+    tile_tokenwise,
+)
 from .router import (
     RouterLoss,
     add_router_sums,
@@ -158,11 +164,12 @@ class HeadLayer(nn.Module):
         hidden = hidden[:, :-1].reshape(-1, hidden.shape[-1])
         targets = labels[:, 1:].reshape(-1)
         total = hidden.new_zeros((), dtype=torch.float32)
+        chunk_tokens = loss_chunk_tokens(self.chunk_tokens, self.lm_head.weight.shape[0])
         # The weights are passed in, not read from the module: the recompute runs in
         # backward, when RoundPipe has already unbound the layer's device tensors.
         weight, bias = self.lm_head.weight, self.lm_head.bias
-        for start in range(0, targets.numel(), self.chunk_tokens):
-            piece = slice(start, start + self.chunk_tokens)
+        for start in range(0, targets.numel(), chunk_tokens):
+            piece = slice(start, start + chunk_tokens)
             args = (hidden[piece], targets[piece], weight, bias)
             if torch.is_grad_enabled():
                 loss = checkpoint(_chunk_loss, *args, use_reentrant=False, preserve_rng_state=False)

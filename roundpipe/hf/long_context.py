@@ -23,15 +23,22 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from ..core.tiling import seq_chunk_tokens
+from ..core.tiling import TILED_LOSS_LOGITS, seq_chunk_tokens
 
 SEGMENTED_SDPA = "roundpipe_segmented_sdpa"
 """The attention implementation (registered with ``transformers.AttentionInterface``
 on first use) that runs SDPA per packed example."""
 
 
-TOKENWISE = ("input_layernorm", "post_attention_layernorm", "mlp")
-"""The submodules of a decoder layer that map ``(batch, S, hidden)`` token by token."""
+TOKENWISE = (
+    "input_layernorm",
+    "post_attention_layernorm",
+    "mlp",
+    "self_attn.q_norm",
+    "self_attn.k_norm",
+)
+"""The submodules of a decoder layer that map ``(batch, S, ...)`` token by token (the
+per-head norms of Qwen3 see ``(batch, S, heads, head_dim)``)."""
 
 
 # -- tiled token-wise modules -------------------------------------------------------------
@@ -40,15 +47,17 @@ TOKENWISE = ("input_layernorm", "post_attention_layernorm", "mlp")
 def tile_tokenwise(layer: nn.Module) -> None:
     """:func:`tile` the :data:`TOKENWISE` submodules of a decoder layer."""
     for name in TOKENWISE:
-        module = getattr(layer, name, None)
+        module = layer
+        for part in name.split("."):
+            module = getattr(module, part, None)
         if isinstance(module, nn.Module):
             tile(module)
 
 
 def tile(module: nn.Module) -> None:
-    """Make ``module`` (mapping ``(batch, S, hidden)`` to the same shape, token by
-    token) follow :func:`seq_chunk_tokens`; without it, or for a sequence no longer
-    than one chunk, it runs as before. Its state dict and parameters do not change."""
+    """Make ``module`` (mapping ``(batch, S, ...)`` to the same shape, token by token)
+    follow :func:`seq_chunk_tokens`; without it, or for a sequence no longer than one
+    chunk, it runs as before. Its state dict and parameters do not change."""
     if "forward" not in module.__dict__:
         module.forward = types.MethodType(_tiled_forward, module)
 
@@ -56,11 +65,11 @@ def tile(module: nn.Module) -> None:
 def _tiled_forward(self: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
     chunk = seq_chunk_tokens()
     plain = type(self).forward
-    if chunk is None or hidden.dim() < 2 or hidden.shape[-2] <= chunk:
+    if chunk is None or hidden.dim() < 3 or hidden.shape[1] <= chunk:
         return plain(self, hidden)
-    pieces = hidden.split(chunk, dim=-2)
+    pieces = hidden.split(chunk, dim=1)
     if not torch.is_grad_enabled():
-        return torch.cat([plain(self, piece) for piece in pieces], dim=-2)
+        return torch.cat([plain(self, piece) for piece in pieces], dim=1)
     # The recompute runs in the backward, when RoundPipe has unbound the layer's
     # device tensors: they are passed in, not read from the module then.
     names, tensors = _state(self)
@@ -69,7 +78,7 @@ def _tiled_forward(self: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
             checkpoint(_run_piece, self, names, piece, *tensors, use_reentrant=False)
             for piece in pieces
         ],
-        dim=-2,
+        dim=1,
     )
 
 
@@ -80,6 +89,18 @@ def _state(module: nn.Module) -> tuple[list[str], list[torch.Tensor]]:
 
 def _run_piece(module: nn.Module, names: list[str], piece: torch.Tensor, *tensors):
     return torch.func.functional_call(module, dict(zip(names, tensors, strict=True)), (piece,))
+
+
+# -- the loss ----------------------------------------------------------------------------
+
+
+def loss_chunk_tokens(tokens: int, vocab_size: int) -> int:
+    """Tokens per chunk of the head's loss: ``tokens``, or, with sequence tiling on,
+    no more than keeps one chunk's logits to ``TILED_LOSS_LOGITS`` (a large vocabulary's
+    logits of a few thousand tokens would outweigh a long sequence's activations)."""
+    if seq_chunk_tokens() is None:
+        return tokens
+    return max(1, min(tokens, TILED_LOSS_LOGITS // max(vocab_size, 1)))
 
 
 # -- segmented attention ------------------------------------------------------------------

@@ -172,6 +172,11 @@ def device_memory_terms(costs: CostModel, plan: Plan) -> DeviceMemory:
     """The peak of ``plan`` on one GPU: the stage whose weights, gradients and
     activations, with the biggest stage's weights prefetched beside them, are most (a
     stage's own part is the planner's ``stage_footprint``)."""
+    return max((peak for _, peak in stage_peaks(costs, plan)), key=lambda peak: peak.total)
+
+
+def stage_peaks(costs: CostModel, plan: Plan) -> list[tuple[range, DeviceMemory]]:
+    """Every stage of ``plan`` (forward stages first) and the GPU memory it peaks at."""
     layers = costs.layers
     stages = [(r, False) for r in plan.forward_ranges()]
     stages += [(r, True) for r in plan.backward_ranges()]
@@ -184,8 +189,8 @@ def device_memory_terms(costs: CostModel, plan: Plan) -> DeviceMemory:
             activations = layers.stage_activation_bytes(r)
         else:
             gradients, activations = 0, max(layers.activation_bytes[i] for i in r)
-        peaks.append(DeviceMemory(weights, prefetched, gradients, activations))
-    return max(peaks, key=lambda peak: peak.total)
+        peaks.append((r, DeviceMemory(weights, prefetched, gradients, activations)))
+    return peaks
 
 
 def finest_plan(num_units: int) -> Plan:

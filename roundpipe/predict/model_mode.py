@@ -46,12 +46,7 @@ def run_model_mode(args: argparse.Namespace, schedules: tuple[str, ...]) -> int:
     work = _workload(args)
     gpu = gpu_preset(args.gpu)
     if args.max_seq_len:
-        longest = max_seq_len(spec, gpu, work)
-        if args.json:
-            print(json.dumps({"model": spec.name, "gpu": gpu.name, "max_seq_len": longest}))
-        else:
-            print(f"{spec.name} on {gpu.name}: up to {longest} tokens at batch 1")
-        return 0
+        return _print_longest(args, spec, gpu, work)
     host_ram, source = _host_ram(args)
     if args.nodes is not None or args.scaling:
         return _predict_nodes(args, spec, gpu, work, host_ram, source)
@@ -172,6 +167,20 @@ def _workload(args: argparse.Namespace) -> Workload:
         round_size=args.round_size,
         settings=lean_settings(args),
     )
+
+
+def _print_longest(args: argparse.Namespace, spec: ModelSpec, gpu: Gpu, work: Workload) -> int:
+    """``--max-seq-len``: the longest sequence and what bounds it; the host RAM is judged
+    only against ``--host-ram`` (this machine is rarely the server asked about)."""
+    host_ram = int(args.host_ram * 1e9) if args.host_ram else None
+    longest = max_seq_len(spec, gpu, work, host_ram)
+    if args.json:
+        print(json.dumps({"model": spec.name, "gpu": gpu.name, **longest.to_dict()}))
+        return 0
+    print(f"{spec.name} on {gpu.name}: {longest.text()}")
+    if host_ram is None:
+        print(f"host RAM not judged (give {HOST_RAM_FLAG} for the target server)")
+    return 0
 
 
 def _host_ram(args: argparse.Namespace) -> tuple[int | None, str]:

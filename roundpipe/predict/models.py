@@ -9,9 +9,10 @@ docs/design.md#prediction-assumptions.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..core.plan import Plan, PlanError
+from ..core.tiling import DEFAULT_SEQ_CHUNK_TOKENS
 from ..planning.partition import auto_plan
 from ..planning.sim.baselines import BASELINES, simulate_baseline
 from ..planning.sim.costs import CostModel, LayerCosts
@@ -23,9 +24,11 @@ from .breakdown import (
     device_memory_terms,
     finest_plan,
     host_ram_terms,
+    stage_peaks,
 )
 from .gpus import PCIE_BANDWIDTH, Gpu
 from .host_settings import DEFAULT_SETTINGS, LeanSettings
+from .longest import Longest, MemoryAt, search
 from .model_specs import MODEL_PRESETS, ModelSpec, model_preset
 from .unit_costs import HALF, Kernels, UnitCost, embedding_cost, head_cost, layer_cost
 
@@ -61,6 +64,10 @@ class Workload:
     """Hosts that each step 1/K of the masters (nodes of data parallelism)."""
     settings: LeanSettings = DEFAULT_SETTINGS
     """The dtypes the host keeps the optimizer's state, masters and a LoRA base in."""
+    seq_chunk_tokens: int | None = None
+    """Decoder layers' MLPs and norms tiled in chunks of this many tokens, the loss
+    chunked as ``roundpipe.hf`` does it (docs/design.md#long-context); ``None``: the
+    untiled layers and the calibrated head of the paper's measurements."""
 
     def round_microbatches(self, num_gpus: int) -> int:
         return min(self.num_microbatches, self.round_size or ROUND_PER_GPU * num_gpus)
@@ -131,10 +138,13 @@ class _Model:
     def build(cls, spec: ModelSpec, gpu: Gpu, work: Workload, tokens: int) -> _Model:
         rank, nf4 = work.lora_rank, work.settings.quantize == "nf4"
         kernels = Kernels(gpu, work.precision, work.mfu)
-        full = layer_cost(spec, kernels, tokens, work.seq_len, None, rank, nf4)
+        chunk = work.seq_chunk_tokens
+        full = layer_cost(spec, kernels, tokens, work.seq_len, None, rank, nf4, chunk)
         window = None
         if spec.window_layers:
-            window = layer_cost(spec, kernels, tokens, work.seq_len, spec.sliding_window, rank, nf4)
+            window = layer_cost(
+                spec, kernels, tokens, work.seq_len, spec.sliding_window, rank, nf4, chunk
+            )
         # gpt-oss alternates sliding and full layers; others have all or none windowed
         every = spec.num_layers // max(spec.window_layers, 1)
         layers = [
@@ -144,7 +154,7 @@ class _Model:
         units = [
             embedding_cost(spec, kernels, tokens, rank > 0),
             *layers,
-            head_cost(spec, kernels, tokens, rank > 0),
+            head_cost(spec, kernels, tokens, rank > 0, chunk),
         ]
         trainable = spec.lora_params(rank) if rank else spec.num_params
         frozen = spec.num_params if rank else 0
@@ -181,7 +191,7 @@ def _roundpipe(
     model: _Model, costs: CostModel, gpu: Gpu, work: Workload, num_gpus: int, host_ram: int | None
 ) -> Prediction:
     memory = _memory_fit(model, costs, gpu, work, num_gpus, host_ram)
-    longest = max_seq_len(model.spec, gpu, work)
+    longest = max_seq_len(model.spec, gpu, work).max_seq_len
     if memory.plan is None:
         return Prediction.of_roundpipe(
             memory, tokens_per_s=0.0, iteration_time=0.0, detail=memory.no_plan, max_seq_len=longest
@@ -326,22 +336,45 @@ def host_round_time(model: _Model, work: Workload, num_gpus: int, round_size: in
     return (hops + weights + step) / work.host_bandwidth
 
 
-def max_seq_len(spec: ModelSpec, gpu: Gpu, work: Workload) -> int:
-    """The longest sequence that trains at batch 1 with one layer per stage (the plan that
-    needs least memory: each layer recomputed alone), to the nearest 256 tokens."""
-    budget = Budget(gpu.memory_bytes).available
-    probe = Workload(**{**work.__dict__, "batch": 1, "microbatch_size": 1})
+def max_seq_len(
+    spec: ModelSpec,
+    gpu: Gpu,
+    work: Workload,
+    host_ram: int | None = None,
+    seq_chunk_tokens: int | None = DEFAULT_SEQ_CHUNK_TOKENS,
+) -> Longest:
+    """The longest sequence that trains at batch 1 with one layer per stage (the plan
+    that needs least GPU memory: each layer recomputed alone from its saved input),
+    layers tiled in chunks of ``seq_chunk_tokens`` (``None``: untiled, the paper's
+    law), against the GPU and, when ``host_ram`` is given, the host's RAM."""
+    probe = replace(work, batch=1, microbatch_size=1, seq_chunk_tokens=seq_chunk_tokens)
 
-    def fits(seq_len: int) -> bool:
-        at = Workload(**{**probe.__dict__, "seq_len": seq_len})
+    def measure(seq_len: int) -> MemoryAt:
+        at = replace(probe, seq_len=seq_len)
         model = _Model.build(spec, gpu, at, seq_len)
         costs = cost_model(model, gpu, at, 1, 1)
-        return device_memory_terms(costs, finest_plan(len(model.units))).total <= budget
+        plan = finest_plan(len(model.units))
+        stage, device = max(stage_peaks(costs, plan), key=lambda peak: peak[1].total)
+        host = host_ram_terms(
+            model.trainable,
+            model.frozen,
+            at.optimizer_shards,
+            plan,
+            1,
+            costs.layers.boundary_bytes,
+            at.settings,
+            model.quantized,
+        )
+        return MemoryAt(device, _unit_name(stage.start, len(model.units)), host)
 
-    low, high = 0, 256
-    while fits(high) and high < 2**24:
-        low, high = high, high * 2
-    while high - low > 256:
-        middle = (low + high) // 2
-        low, high = (middle, high) if fits(middle) else (low, middle)
-    return low
+    host_budget = None if host_ram is None else Budget(host_ram).available
+    longest = search(measure, Budget(gpu.memory_bytes).available, host_budget)
+    return replace(longest, seq_chunk_tokens=seq_chunk_tokens)
+
+
+def _unit_name(index: int, num_units: int) -> str:
+    if index == 0:
+        return "the embedding"
+    if index == num_units - 1:
+        return "the head (final norm, LM head, loss)"
+    return f"decoder layer {index - 1}"

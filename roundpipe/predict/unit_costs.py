@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..core.tiling import TILED_LOSS_LOGITS
 from .gpus import Gpu
 from .host_settings import DEQUANTIZED_BYTES, NF4_BYTES, nf4_bytes
 from .model_specs import ModelSpec
@@ -133,17 +134,17 @@ def tiled_layer_bytes(spec: ModelSpec, tokens: int, chunk: int) -> int:
     weights and gradients: what grows with the sequence, per token, plus one chunk's
     working set. Measured on the emulated device (tests/test_long_context.py)."""
     h, q, kv = spec.hidden_size, spec.q_width, spec.kv_width
-    # the saved input, its autograd copy, the incoming gradient, the output, the
-    # attention's residual, the norms' outputs, o_proj's output or its gradient
-    hidden = 7 * HALF * h
-    # rotated q and k, v, the attention output, its log-sum-exp, the rotary tables
-    attention = HALF * (2 * q + 2 * kv) + FP32 * spec.num_heads + 2 * HALF * spec.head_dim
-    if spec.qk_norm:  # per-head norms over (S, heads, dim) are not tiled: fp32 copies
-        attention += (FP32 + HALF) * (q + kv)
-    # the peak comes in the attention's backward (the gradients of q, k and v) or in
-    # one tiled chunk's, whichever needs more
-    working = max(tokens * HALF * (q + 2 * kv), min(tokens, chunk) * _chunk_bytes_per_token(spec))
-    return tokens * (hidden + attention) + working
+    # At the peak, the attention's backward: the saved input, its autograd copy, the
+    # incoming gradient, the first norm's output, the two residual sums (hidden
+    # size); the rotated queries and keys, the values, the attention output and the
+    # gradients of all four (query and key-value sizes); the log-sum-exp, the rotary
+    # tables; with per-head norms, their inputs (kept by their tiles).
+    per_token = HALF * (6 * h + 4 * q + 4 * kv) + FP32 * spec.num_heads
+    per_token += 2 * HALF * spec.head_dim
+    if spec.qk_norm:
+        per_token += HALF * (q + kv)
+    # one tiled chunk's working set, counted as if beside it (an upper bound)
+    return tokens * per_token + min(tokens, chunk) * _chunk_bytes_per_token(spec)
 
 
 def tiled_head_bytes(spec: ModelSpec, tokens: int, chunk: int) -> int:
@@ -151,7 +152,7 @@ def tiled_head_bytes(spec: ModelSpec, tokens: int, chunk: int) -> int:
     ``LOSS_CHUNK_TOKENS``: the input, its copy, the normed hidden states and their
     gradients per token, and one loss chunk's logits."""
     h, v = spec.hidden_size, spec.vocab_size
-    loss_chunk = min(tokens, LOSS_CHUNK_TOKENS)
+    loss_chunk = max(1, min(tokens, LOSS_CHUNK_TOKENS, TILED_LOSS_LOGITS // v))
     norm_chunk = min(tokens, chunk) * 6 * FP32 * h
     return (
         tokens * 5 * HALF * h
@@ -161,11 +162,13 @@ def tiled_head_bytes(spec: ModelSpec, tokens: int, chunk: int) -> int:
 
 
 def _chunk_bytes_per_token(spec: ModelSpec) -> int:
-    """One tiled chunk's working set per token: an MLP's gate, up and activation
-    outputs and their gradients (the routed experts' in an MoE layer), a norm's
-    float32 copies."""
+    """One tiled chunk's working set per token, the largest of: an MLP's gate, up and
+    activation outputs and their gradients (the routed experts' in an MoE layer) beside
+    a norm's float32 copies; the per-head norms' float32 copies."""
     width = spec.intermediate_size or spec.experts_per_token * spec.moe_intermediate_size
-    return 6 * HALF * width + 6 * FP32 * spec.hidden_size
+    mlp = 6 * HALF * width + 6 * FP32 * spec.hidden_size
+    heads = 6 * FP32 * (spec.q_width + spec.kv_width) if spec.qk_norm else 0
+    return max(mlp, heads)
 
 
 def _mlp_forward_flops(spec: ModelSpec) -> int:
