@@ -11,9 +11,14 @@ iteration (one iteration from idle) against the compute lower bound: the first l
 weight upload and first forward, then the least total compute over N (the plan with
 the largest fused stage: the least recompute); and its steady-state iteration, where
 iterations overlap as in training, against its own compute over N, recompute included
-(``steady_vs_work``).
+(``steady_vs_work``). The paper's four simulator cases
+(``roundpipe.predict.paper_cases``): the automatic plan for each objective (steady
+state, asynchronous steps; makespan, one isolated iteration with a synchronous step)
+against the paper's rule and the best equal-size plan on that objective, and the
+steady objective's plan on the makespan (what was used before the objective existed).
 
     .venv/bin/python bench/planner.py [--profiles 20] [--json] [--skip-speed]
+    .venv/bin/python bench/planner.py --paper [--unrefined] [--json]
 
 Times are wall-clock seconds; on a shared machine compare runs made together.
 """
@@ -35,6 +40,7 @@ from roundpipe.planning.sim.bounds import PlanBounds
 from roundpipe.planning.sim.costs import CostModel, LayerCosts
 from roundpipe.planning.sim.profiles import random_profile
 from roundpipe.planning.sim.roundpipe_schedule import simulate_roundpipe
+from roundpipe.predict.paper_cases import paper_cases
 
 SPEED_CASES = ((28, 4, 8), (64, 8, 8), (64, 8, 16), (200, 8, 16))
 
@@ -50,21 +56,51 @@ def deep_model(layers: int) -> CostModel:
 
 
 def speed(as_json: bool) -> None:
-    for layers, devices, micro in SPEED_CASES:
-        costs = deep_model(layers)
-        start = time.perf_counter()
-        plan = auto_plan(costs, devices, micro, round_size=micro)
-        seconds = time.perf_counter() - start
-        row = {"layers": layers, "devices": devices, "microbatches": micro}
-        row |= {"plan_s": round(seconds, 3), "plan": str(plan)}
-        print(json.dumps(row) if as_json else _speed_line(row), flush=True)
+    for objective in ("steady", "makespan"):
+        for layers, devices, micro in SPEED_CASES:
+            costs = deep_model(layers)
+            start = time.perf_counter()
+            plan = auto_plan(costs, devices, micro, round_size=micro, objective=objective)
+            seconds = time.perf_counter() - start
+            row = {"layers": layers, "devices": devices, "microbatches": micro}
+            row |= {"objective": objective, "plan_s": round(seconds, 3), "plan": str(plan)}
+            print(json.dumps(row) if as_json else _speed_line(row), flush=True)
 
 
 def _speed_line(row: dict) -> str:
     return (
         f"auto_plan {row['layers']:3d} layers, {row['devices']} devices, "
-        f"{row['microbatches']:2d} microbatches: {row['plan_s']:6.2f} s"
+        f"{row['microbatches']:2d} microbatches, {row['objective']:8s}: {row['plan_s']:6.2f} s"
     )
+
+
+def paper(as_json: bool, refine: bool) -> None:
+    """Per case and objective: auto / the paper's rule, auto / the best equal-size plan,
+    for the objective's own plan and (makespan) for the steady objective's plan; the
+    runtime's plans (refined) or, with ``refine`` off, the predictor's."""
+    for case in paper_cases():
+        micro, budgets = case.num_microbatches, list(case.budgets)
+        plans = {}
+        for objective in ("steady", "makespan"):
+            start = time.perf_counter()
+            plans[objective] = auto_plan(
+                case.costs,
+                case.num_devices,
+                micro,
+                budgets,
+                round_size=micro,
+                refine=refine,
+                objective=objective,
+            )
+            seconds = time.perf_counter() - start
+            papers = case.paper_plans(objective)
+            row = {"case": case.name, "objective": objective, "plan_s": round(seconds, 3)}
+            for label, plan in (("auto", plans[objective]), ("steady_plan", plans["steady"])):
+                for name, reference in papers.items():
+                    ratio = case.time(plan, objective) / case.time(reference, objective)
+                    row[f"{label}_vs_{name}"] = round(ratio, 4)
+            row |= {"plan": str(plans[objective]), "equal_size_plan": str(papers["equal-size"])}
+            print(json.dumps(row) if as_json else row, flush=True)
 
 
 def best_equal_size(costs, devices: int, micro: int, incumbent: float) -> float:
@@ -133,7 +169,12 @@ def main() -> None:
     parser.add_argument("--profiles", type=int, default=20)
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--skip-speed", action="store_true")
+    parser.add_argument("--paper", action="store_true", help="only the paper's four cases")
+    parser.add_argument("--unrefined", action="store_true", help="--paper: the predictor's plans")
     args = parser.parse_args()
+    if args.paper:
+        paper(args.json, refine=not args.unrefined)
+        return
     if not args.skip_speed:
         speed(args.json)
     quality(args.profiles, args.json)

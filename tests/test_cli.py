@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 
 from roundpipe.cli import main
+from roundpipe.planning.partition import auto_plan, predict_iteration_time
+from roundpipe.planning.sim.costs import CostModel, LayerCosts
 
 SYNTHETIC = [
     "simulate",
@@ -63,6 +65,36 @@ def test_roundpipe_partition_counts_transformer_layers_fused_with_the_head(capsy
     (row,) = _json_lines(capsys)
     # In the simulator the head is its own unit: a fused stage of 0 layers + head.
     assert "plan 4,4,4|1,3,3,3,3" in row["detail"]
+
+
+def test_step_sync_plans_and_reports_the_isolated_iteration(capsys) -> None:
+    """``--step`` (default async) picks the automatic plan's objective and the timing
+    reported; the JSON says which."""
+    main([*SYNTHETIC, "--schedule", "roundpipe", "--json"])
+    main([*SYNTHETIC, "--schedule", "roundpipe", "--json", "--step", "async"])
+    main([*SYNTHETIC, "--schedule", "roundpipe", "--json", "--step", "sync"])
+    default, steady, sync = _json_lines(capsys)
+    assert default == steady and steady["step"] == "async" and sync["step"] == "sync"
+    costs = CostModel(LayerCosts.uniform(12, 1e-3, 2e-3, 3e-3, 6e-3), comm=0.2e-3)
+    plans = {
+        objective: auto_plan(costs, 4, 8, objective=objective)
+        for objective in ("steady", "makespan")
+    }
+    assert plans["steady"] != plans["makespan"]
+    assert f"plan {plans['steady']}," in steady["detail"]
+    assert f"plan {plans['makespan']}," in sync["detail"]
+    isolated = predict_iteration_time(plans["makespan"], costs, 4, 8, objective="makespan")
+    assert sync["iteration_time"] == pytest.approx(isolated, rel=1e-12)
+    # synthetic layers have no weights and no optimizer: nothing ends after the compute
+    assert sync["iteration_time"] == pytest.approx(sync["makespan"], rel=1e-12)
+    assert steady["iteration_time"] < steady["makespan"]  # iterations overlap
+
+
+def test_step_sync_is_refused_in_model_mode(capsys) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["simulate", "--model", "Qwen3-1.7B", "--step", "sync"])
+    assert exit_info.value.code == 2
+    assert "--step sync is for the synthetic mode" in capsys.readouterr().err
 
 
 def test_baseline_partition_gives_layers_per_stage_and_the_head_joins_the_last(capsys) -> None:

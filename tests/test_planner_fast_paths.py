@@ -16,12 +16,13 @@ from roundpipe.core.plan import Plan
 from roundpipe.planning.partition import predict_iteration_time
 from roundpipe.planning.rules import equal_size
 from roundpipe.planning.search import Search
+from roundpipe.planning.sim.bounds import PlanBounds
 from roundpipe.planning.sim.costs import CostModel, LayerCosts
 from roundpipe.planning.sim.job_bound import JobCosts, relaxed_iteration_ends
 from roundpipe.planning.sim.profiles import random_profile
 from roundpipe.planning.sim.roundpipe_schedule import steady_iteration_time
 from roundpipe.planning.sim.rounds import Config, Simulation
-from roundpipe.planning.sim.walk import Undecided, iteration_ends
+from roundpipe.planning.sim.walk import Undecided, isolated_time, iteration_ends
 
 ITERATIONS = 6
 
@@ -113,6 +114,23 @@ def test_the_job_level_relaxation_never_ends_an_iteration_after_the_simulation(
     )
     for low, high in zip(relaxed, simulated, strict=True):
         assert low <= high * (1 + 1e-12) + 1e-12
+
+
+@pytest.mark.parametrize("seed", range(120))
+def test_the_isolated_walk_and_its_bounds_against_the_graph(seed: int) -> None:
+    """One iteration from idle with a synchronous step (the makespan objective): the
+    walk gives the end of the graph's last op exactly, and no isolated bound is above."""
+    plan, costs, devices, micro, round_size, _ = _case(seed)
+    config = Config(plan, costs, devices, round_size, False, record=False)
+    expected = Simulation(config).isolated_end(micro)
+    bounds = PlanBounds(costs, devices, micro, round_size=round_size, isolated=True)
+    assert bounds.tight(plan) <= expected * (1 + 1e-12) + 1e-12
+    assert bounds.fused_floor(plan.backward[0]) <= expected * (1 + 1e-12) + 1e-12
+    try:
+        walked = isolated_time(plan, costs, devices, micro, round_size=round_size)
+    except Undecided:
+        return
+    assert walked == expected
 
 
 def test_the_steady_state_counts_the_prefetch_of_the_iteration_after_the_last_one() -> None:

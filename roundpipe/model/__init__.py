@@ -134,8 +134,8 @@ class RoundPipe(ModuleCall, Checkpoints, ParameterViews, Observation, nn.Module)
         """The plan calls use unless their run config pins another.
 
         Unless ``execute_plan`` pins one, this is the automatic plan: the partitioner's
-        choice for the measured per-layer times (size-based estimates before the first
-        measurements), chosen again only when the measurements move materially.
+        choice for the measured per-layer times (estimates before any) and the last
+        ``step``'s mode, chosen again when measurements move materially or modes change.
         """
         return self._plan_for(self.run_config, count_call=False)
 
@@ -212,6 +212,7 @@ class RoundPipe(ModuleCall, Checkpoints, ParameterViews, Observation, nn.Module)
         with self._session.enter("step") as session:
             self._begin(session)
             task = session.queue_step(step_fn, is_async)
+            self.planner.saw_step(is_async)  # later calls are planned for this mode
             if is_async:
                 return
             error = wait_future(task.done)

@@ -18,9 +18,9 @@ from .rules import (  # noqa: F401 (public)
     paper_greedy_plan,
     stage_footprint,
 )
-from .search import Search
+from .search import OBJECTIVES, Search  # noqa: F401 (OBJECTIVES: public)
 from .sim.costs import CostModel, LayerCosts
-from .sim.roundpipe_schedule import steady_iteration_time
+from .sim.roundpipe_schedule import isolated_iteration_time, steady_iteration_time
 
 
 def auto_plan(
@@ -31,8 +31,12 @@ def auto_plan(
     *,
     round_size: int | None = None,
     refine: bool = True,
+    objective: str = "steady",
 ) -> Plan:
-    """The plan with the lowest predicted steady-state iteration time.
+    """The plan with the lowest predicted iteration time: ``objective="steady"`` (the
+    default) the steady state of asynchronous steps, where iterations overlap;
+    ``"makespan"`` one isolated iteration from idle with a synchronous step, which is
+    what each iteration of synchronous steps is (:func:`predict_iteration_time`).
 
     ``costs`` may be plain :class:`LayerCosts` (built with ``LayerCosts.from_lists``
     from per-layer forward seconds, backward seconds and parameter bytes) or a full
@@ -45,12 +49,27 @@ def auto_plan(
         raise ValueError(
             f"got {len(memory_budgets)} memory budgets for {num_devices} devices; give one each"
         )
-    search = Search(model, num_devices, num_microbatches, memory_budgets, round_size)
+    search = Search(model, num_devices, num_microbatches, memory_budgets, round_size, objective)
+    best = _best_candidate(search)
+    if not refine:
+        return best
+    refined = [search.refine(best)]
+    if objective == "makespan":
+        # local moves stop in a local optimum; the steady objective's best candidate (a
+        # plan of even stages) is a second start, which on some models reaches a plan
+        # the makespan's own candidates do not (docs/design.md#partitioner)
+        steady = Search(model, num_devices, num_microbatches, memory_budgets, round_size)
+        refined.append(search.refine(_best_candidate(steady)))
+    return min(refined, key=search.score)
+
+
+def _best_candidate(search: Search) -> Plan:
+    """The best of the candidates and of every equal-size plan, unrefined."""
     best = search.best(search.candidates())
     best = search.best(search.equal_size_plans(best), incumbent=best)
     if best is None:
         raise PlanError(search.no_fit_message())
-    return search.refine(best) if refine else best
+    return best
 
 
 def predict_iteration_time(
@@ -60,9 +79,18 @@ def predict_iteration_time(
     num_microbatches: int,
     *,
     round_size: int | None = None,
+    objective: str = "steady",
 ) -> float:
-    """Predicted steady-state seconds per iteration of ``plan`` (async optimizer)."""
+    """Predicted seconds per iteration of ``plan``: the steady state with asynchronous
+    steps (``"steady"``), or one isolated iteration until its synchronous step is done
+    (``"makespan"``)."""
     model = costs if isinstance(costs, CostModel) else CostModel(costs)
+    if objective not in OBJECTIVES:
+        raise ValueError(f"objective must be one of {', '.join(OBJECTIVES)}, got {objective!r}")
+    if objective == "makespan":
+        return isolated_iteration_time(
+            plan, model, num_devices, num_microbatches, round_size=round_size
+        )
     return steady_iteration_time(plan, model, num_devices, num_microbatches, round_size=round_size)
 
 

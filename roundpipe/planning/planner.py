@@ -16,8 +16,12 @@ measurements of tiny layers do not cost a partitioner run on every call.
 
 A re-plan runs on a daemon thread, off the caller's: calls keep the plan in force
 until it is done, and its choice takes effect at the first call boundary after that.
-Only the very first plan (or the first for a new device or microbatch count) is
-chosen on the caller's thread, since a call needs one.
+Only the very first plan (or the first for a new device or microbatch count, or step
+mode) is chosen on the caller's thread, since a call needs one.
+
+Plans minimise what the steps make of an iteration (:meth:`AutoPlanner.saw_step`):
+asynchronous steps overlap iterations, so the steady state (the default, until a step
+says otherwise); a synchronous step makes each iteration stand alone, so its makespan.
 """
 
 from __future__ import annotations
@@ -50,7 +54,10 @@ class AutoPlanner:
         self.replans = 0
         self._plan: Plan | None = None
         self._costs: CostModel | None = None
-        self._key: tuple[int, int, int | None] | None = None
+        self._key: tuple[int, int, int | None, str] | None = None
+        self.objective = "steady"
+        """What plans minimise: ``"steady"`` (asynchronous steps, and before any step)
+        or ``"makespan"`` (synchronous steps); see :meth:`saw_step`."""
         self._interval = 1
         self._calls_since_check = 0
         self._replan: _Background | None = None
@@ -60,25 +67,30 @@ class AutoPlanner:
         """The measurements the last partitioner run planned with (None before the first)."""
         return self._costs
 
+    def saw_step(self, is_async: bool) -> None:
+        """A step was queued: later calls are planned for its mode (a change of mode
+        re-plans at the next call, on the caller's thread)."""
+        self.objective = "steady" if is_async else "makespan"
+
     def current(
         self, num_devices: int, num_microbatches: int, weight_chunk_bytes: int | None
     ) -> Plan:
         """The plan in force, without counting a call (a first plan is chosen if needed).
         ``weight_chunk_bytes`` is the run config's: weights upload in chunks of it."""
-        key = (num_devices, num_microbatches, weight_chunk_bytes)
+        key = (num_devices, num_microbatches, weight_chunk_bytes, self.objective)
         if self._plan is None or self._key != key:
             self._costs, self._key = self.measure(weight_chunk_bytes), key
-            self._plan = _auto_plan(self._costs, num_devices, num_microbatches, self.budgets)
+            self._plan = _auto_plan(self._costs, key, self.budgets)
             self.replans += 1
         return self._plan
 
     def plan(self, num_devices: int, num_microbatches: int, weight_chunk_bytes: int | None) -> Plan:
         """The plan for a call starting now; starts a re-plan in the background when
         measurements warrant it, and adopts a finished one's choice."""
-        key = (num_devices, num_microbatches, weight_chunk_bytes)
+        key = (num_devices, num_microbatches, weight_chunk_bytes, self.objective)
         if self._plan is None or self._key != key:
-            self._replan = None  # chosen for another pool or microbatch count
-            return self.current(*key)
+            self._replan = None  # chosen for another pool, microbatch count or step mode
+            return self.current(num_devices, num_microbatches, weight_chunk_bytes)
         if self._replan is not None:
             if self._replan.done.is_set():
                 self._adopt(self._replan.result)
@@ -152,11 +164,11 @@ def _moved(before: float, after: float, threshold: float) -> bool:
 
 
 def _better_plan(
-    costs: CostModel, key: tuple[int, int, int | None], current: Plan, budgets
+    costs: CostModel, key: tuple[int, int, int | None, str], current: Plan, budgets
 ) -> Plan | None:
     """The partitioner's choice under ``costs`` if it is predicted clearly faster than
     ``current`` or ``current`` no longer fits the budgets, else ``None``."""
-    candidate = _auto_plan(costs, *key[:2], budgets)
+    candidate = _auto_plan(costs, key, budgets)
     if candidate == current:
         return None
     if not fits(current, costs, budgets):
@@ -166,14 +178,22 @@ def _better_plan(
     return None
 
 
-def _predict(plan: Plan, costs: CostModel, key: tuple[int, int, int | None]) -> float:
-    num_devices, num_microbatches, _ = key
+def _predict(plan: Plan, costs: CostModel, key: tuple[int, int, int | None, str]) -> float:
+    num_devices, num_microbatches, _, objective = key
     return predict_iteration_time(
-        plan, costs, num_devices, num_microbatches, round_size=num_microbatches
+        plan, costs, num_devices, num_microbatches, round_size=num_microbatches, objective=objective
     )
 
 
-def _auto_plan(costs: CostModel, num_devices: int, num_microbatches: int, budgets) -> Plan:
+def _auto_plan(costs: CostModel, key: tuple[int, int, int | None, str], budgets) -> Plan:
     """The partitioner's choice for calls as the runtime runs them: every job of a call
     takes all of its microbatches, so a call is one round of ``num_microbatches``."""
-    return auto_plan(costs, num_devices, num_microbatches, budgets, round_size=num_microbatches)
+    num_devices, num_microbatches, _, objective = key
+    return auto_plan(
+        costs,
+        num_devices,
+        num_microbatches,
+        budgets,
+        round_size=num_microbatches,
+        objective=objective,
+    )

@@ -15,13 +15,16 @@ from ..core.plan import Plan
 from .rules import equal_size, fits, pack, paper_greedy_plan, rebalance, stage_footprint
 from .sim.bounds import PlanBounds
 from .sim.costs import CostModel
-from .sim.roundpipe_schedule import steady_mean
+from .sim.roundpipe_schedule import isolated_iteration_time, steady_mean
 
 CAP_FACTORS = (1.0, 1.05, 1.1, 1.2, 1.35, 1.5, 1.75, 2.0, 2.5, 3.0, 4.0, 6.0, 10.0)
 """Stage-time caps tried, as multiples of the slowest unavoidable stage."""
 REFINE_BUDGET = 12
 """Simulations refinement may spend; on the randomised profiles of the tests it rarely
 gains more than a percent or two over the best candidate."""
+OBJECTIVES = ("steady", "makespan")
+"""What a plan is scored by: the steady-state iteration of asynchronous steps, or one
+isolated iteration from idle with a synchronous step (docs/design.md#partitioner)."""
 NEAR_OPTIMAL = 0.005
 """Refinement stops once a plan is predicted within this fraction of the lower bound
 on every plan's iteration time, and only takes moves that gain more than this."""
@@ -37,13 +40,23 @@ class Search:
         num_microbatches: int,
         memory_budgets: Sequence[int] | None,
         round_size: int | None,
+        objective: str = "steady",
     ) -> None:
+        if objective not in OBJECTIVES:
+            raise ValueError(f"objective must be one of {', '.join(OBJECTIVES)}, got {objective!r}")
         self.costs = costs
+        self.objective = objective
         self.num_devices = num_devices
         self.num_microbatches = num_microbatches
         self.memory_budgets = memory_budgets
         self.round_size = round_size or num_devices
-        self.bounds = PlanBounds(costs, num_devices, num_microbatches, round_size=self.round_size)
+        self.bounds = PlanBounds(
+            costs,
+            num_devices,
+            num_microbatches,
+            round_size=self.round_size,
+            isolated=objective == "makespan",
+        )
         self._scores: dict[Plan, float] = {}
         self._tight: dict[Plan, float] = {}
         self._stages: dict = {}  # stage durations, shared by every plan scored
@@ -58,18 +71,17 @@ class Search:
         return len(self._scores)
 
     def score(self, plan: Plan) -> float:
-        """The predicted steady-state iteration time (``predict_iteration_time``), ties
-        to fewer stages: fewer uploads and less host traffic."""
+        """The predicted time of the objective (``predict_iteration_time``), ties to
+        fewer stages: fewer uploads and less host traffic."""
         if plan not in self._scores:
-            mean = steady_mean(
-                plan,
-                self.costs,
-                self.num_devices,
-                self.num_microbatches,
-                round_size=self.round_size,
-                stages=self._stages,
-            )
-            time = max(mean, self.tight(plan))
+            args = (plan, self.costs, self.num_devices, self.num_microbatches)
+            if self.objective == "makespan":  # exact: no bound can be above it
+                time = isolated_iteration_time(
+                    *args, round_size=self.round_size, stages=self._stages
+                )
+            else:  # an estimate from a short run: never below the bounds
+                mean = steady_mean(*args, round_size=self.round_size, stages=self._stages)
+                time = max(mean, self.tight(plan))
             self._scores[plan] = time * (1 + 1e-9 * (len(plan.forward) + len(plan.backward)))
         return self._scores[plan]
 

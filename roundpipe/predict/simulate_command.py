@@ -26,6 +26,9 @@ from .models import DEFAULT_HOST_BANDWIDTH
 from .nodes import GRAD_BYTES
 
 SCHEDULES = ("roundpipe", *BASELINES)
+STEPS = ("async", "sync")
+OBJECTIVES = {"async": "steady", "sync": "makespan"}
+"""What the automatic plan minimises for each step mode (docs/design.md#partitioner)."""
 _MS = 1e-3
 
 DESCRIPTION = """\
@@ -69,6 +72,14 @@ def add_simulate_parser(commands: Any) -> argparse.ArgumentParser:
         help="RoundPipe: 'fwd,...|bwd,...' (first bwd entry = layers fused with the head, "
         "may be 0); baselines: layers per (virtual) stage, the head joins the last one. "
         "Applied to the schedules it fits; the others get their best partition",
+    )
+    sim.add_argument(
+        "--step",
+        choices=STEPS,
+        default="async",
+        help="optimizer steps: async (iterations overlap; the automatic plan minimises, "
+        "and RoundPipe reports, the steady state) or sync (each iteration stands alone: "
+        "one isolated iteration until its step is done)",
     )
     sim.add_argument("--json", action="store_true", help="one JSON object per schedule")
     sim.add_argument("--trace", type=Path, help="Chrome trace JSON (per schedule if several)")
@@ -163,7 +174,7 @@ def run_simulate(args: argparse.Namespace) -> int:
                 raise
             _print_skip(name, str(unsupported), args.json)
             continue
-        _print_result(result, args.json)
+        _print_result(result, args.json, args.step)
         _export(result, args, several=len(names) > 1)
     return 0
 
@@ -174,9 +185,20 @@ def _run_schedule(name: str, costs: CostModel, args, microbatches: int) -> SimRe
         if partition and "|" in partition:
             plan = _roundpipe_plan(partition)
         else:
-            plan = auto_plan(costs, args.gpus, microbatches, round_size=args.round_size)
+            plan = auto_plan(
+                costs,
+                args.gpus,
+                microbatches,
+                round_size=args.round_size,
+                objective=OBJECTIVES[args.step],
+            )
         result = simulate_roundpipe(
-            plan, costs, args.gpus, microbatches, round_size=args.round_size
+            plan,
+            costs,
+            args.gpus,
+            microbatches,
+            round_size=args.round_size,
+            is_async=args.step == "async",
         )
         return replace(result, detail=f"partition {_cli_partition(plan)}, {result.detail}")
     sizes = None
@@ -232,6 +254,11 @@ def _validate(args: argparse.Namespace) -> None:
         raise ValueError(f"--mfu is a fraction of peak FLOP/s in (0, 1], got {args.mfu}")
     if args.model and args.config:
         raise ValueError("give --model or --config, not both")
+    if args.step != "async" and (args.model or args.config):
+        raise ValueError(
+            "--step sync is for the synthetic mode; model-level predictions are of "
+            "asynchronous steps (the paper's)"
+        )
     lean_settings(args).check(args.precision, args.lora or 0)
     if args.gantt:
         try:
@@ -240,9 +267,9 @@ def _validate(args: argparse.Namespace) -> None:
             raise ValueError(f"--gantt needs matplotlib: {install_hint('plot')}") from None
 
 
-def _print_result(result: SimResult, as_json: bool) -> None:
+def _print_result(result: SimResult, as_json: bool, step: str) -> None:
     if as_json:
-        print(json.dumps(result.to_dict()))
+        print(json.dumps({**result.to_dict(), "step": step}))
         return
     b = result.bubbles
     steady = result.steady_bubble_ratio

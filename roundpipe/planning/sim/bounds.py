@@ -1,4 +1,5 @@
-"""Lower bounds on a plan's steady-state iteration time (pure arithmetic, no simulation).
+"""Lower bounds on a plan's steady-state iteration time, or on one isolated iteration
+(pure arithmetic, no simulation).
 
 The planner simulates candidates in the order of these bounds and skips any whose bound
 cannot beat the best simulated so far, so it finds the same plan as simulating every
@@ -13,7 +14,7 @@ from itertools import accumulate
 
 from ...core.plan import Plan
 from .costs import CostModel
-from .job_bound import JobCosts, relaxed_iteration_ends
+from .job_bound import JobCosts, relaxed_isolated_time, relaxed_iteration_ends
 from .rounds import round_sizes
 
 RELAXED_WARMUP = 3
@@ -31,14 +32,22 @@ class PlanBounds:
         *,
         round_size: int | None = None,
         is_async: bool = True,
+        isolated: bool = False,
     ) -> None:
+        """``isolated``: bound one iteration from idle with a synchronous step (the
+        makespan objective, :func:`~roundpipe.planning.sim.walk.isolated_time`) instead
+        of the steady state; every steady-state bound holds for it too, and it adds the
+        first upload, the last microbatch's way back and the last step."""
         layers = costs.layers
         self.costs, self.num_devices, self.num_microbatches = costs, num_devices, num_microbatches
         self.round_size, self.is_async = round_size or num_devices, is_async
+        self.isolated = isolated
         self.n = layers.num_layers
         self.comm = costs.comm
         self.rounds = round_sizes(num_microbatches, round_size or num_devices)
-        self.optimizer = costs.optimizer_time if is_async else 0.0
+        # the steps run one at a time: the async steady state and an isolated iteration
+        # (which ends with its whole step) last at least that long
+        self.optimizer = costs.optimizer_time if is_async or isolated else 0.0
         self.forward = layers.forward
         self.fused_times = [f + b for f, b in zip(layers.forward, layers.backward, strict=True)]
         compute = sum(layers.forward) + sum(layers.backward)
@@ -64,7 +73,8 @@ class PlanBounds:
         return min(self._work)
 
     def of(self, plan: Plan) -> float:
-        """No schedule of ``plan`` has a shorter steady-state iteration."""
+        """No schedule of ``plan`` has a shorter steady-state iteration (``isolated``:
+        a shorter isolated one)."""
         stages = []
         start = 0
         for size in plan.forward:
@@ -72,7 +82,10 @@ class PlanBounds:
             start += size
         hops = len(plan.forward) if start > 0 else 0
         fused = sum(self.fused_times[start:])
-        return max(self._work[plan.backward[0] - 1], self._chain(stages, fused, hops))
+        chain = self._chain(stages, fused, hops)
+        if self.isolated:
+            chain = max(chain, self._isolated_path(plan, stages, fused, hops))
+        return max(self._work[plan.backward[0] - 1], chain)
 
     @cached_property
     def _jobs(self) -> JobCosts:
@@ -81,6 +94,15 @@ class PlanBounds:
     def tight(self, plan: Plan) -> float:
         """:meth:`of`, and the job-level relaxation's steady state (no long run of ``plan``
         is faster: each of its iterations ends no later than the simulated one)."""
+        if self.isolated:
+            relaxed = relaxed_isolated_time(
+                plan,
+                self._jobs,
+                self.num_devices,
+                self.num_microbatches,
+                round_size=self.round_size,
+            )
+            return max(self.of(plan), relaxed)
         warm, measured = RELAXED_WARMUP, RELAXED_MEASURED
         ends = relaxed_iteration_ends(
             plan,
@@ -104,7 +126,31 @@ class PlanBounds:
         )
 
     def _chain(self, stages: list[float], fused: float, hops: int) -> float:
+        return max(self._flow(stages, fused, hops), self.optimizer)
+
+    def _flow(self, stages: list[float], fused: float, hops: int) -> float:
+        """The rounds' loss chains: each round's microbatches through the forward stages
+        into the fused one as through a flow shop, the next round after the last loss."""
         first = sum(stages) + fused + hops * self.comm
         slowest = max([fused, *stages])
-        chain = sum(first + (size - 1) * slowest for size in self.rounds)
-        return max(chain, self.optimizer)
+        return sum(first + (size - 1) * slowest for size in self.rounds)
+
+    def _isolated_path(self, plan: Plan, stages: list[float], fused: float, hops: int) -> float:
+        """From idle: the first job's weights upload before its first compute; the rounds'
+        loss chains follow; then the last microbatch's gradient runs back through every
+        backward stage (a hop and the stage's backward each: the recompute need not wait),
+        and the last stage's gradients download and are stepped."""
+        costs, layers = self.costs, self.costs.layers
+        first = (plan.forward_ranges() or plan.backward_ranges())[0]
+        path = costs.upload_time(layers.stage_param_bytes(first))
+        path += self._flow(stages, fused, hops)
+        backward = plan.backward_ranges()
+        path += sum(self.comm + layers.stage_backward(r) for r in backward[1:])
+        last = backward[-1]
+        nbytes, total = layers.stage_param_bytes(last), sum(layers.param_bytes)
+        share = nbytes / total if total else len(last) / self.n
+        return (
+            path
+            + costs.download_time(nbytes * costs.grad_bytes_ratio)
+            + (costs.optimizer_time * share)
+        )

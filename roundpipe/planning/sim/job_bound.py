@@ -77,6 +77,32 @@ def relaxed_iteration_ends(
 ) -> list[float]:
     """Lower bounds on ``Simulation.iteration_ends`` (devices from 0), iteration by
     iteration."""
+    return _relaxed(plan, costs, num_devices, num_microbatches, iterations, round_size, is_async)[0]
+
+
+def relaxed_isolated_time(
+    plan: Plan, costs: JobCosts, num_devices: int, num_microbatches: int, *, round_size: int
+) -> float:
+    """A lower bound on :func:`roundpipe.planning.sim.walk.isolated_time`: one iteration
+    from idle and its synchronous step (each time here is at most the simulated one,
+    the host optimizer's and the downloads' too)."""
+    ends, host, downloads = _relaxed(
+        plan, costs, num_devices, num_microbatches, 1, round_size, False
+    )
+    return max(ends[0], host, downloads)
+
+
+def _relaxed(
+    plan: Plan,
+    costs: JobCosts,
+    num_devices: int,
+    num_microbatches: int,
+    iterations: int,
+    round_size: int,
+    is_async: bool,
+) -> tuple[list[float], float, float]:
+    """The relaxed iteration ends, the host optimizer's last step end and the last
+    gradient download's end."""
     jobs, num_forward = costs.jobs(plan)
     n, comm = num_devices, costs.costs.comm
     sizes = round_sizes(num_microbatches, round_size)
@@ -141,4 +167,4 @@ def relaxed_iteration_ends(
                         loss = job_end
                 x += 1
         ends.append(end)
-    return ends
+    return ends, host, max(dfree)

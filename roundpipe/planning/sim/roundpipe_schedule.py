@@ -55,7 +55,9 @@ def simulate_roundpipe(
     first_device: int = 0,
     is_async: bool = True,
 ) -> SimResult:
-    """One iteration of RoundPipe, plus its steady-state iteration time."""
+    """One iteration of RoundPipe, plus its iteration time in training: the steady
+    state of asynchronous steps, or (``is_async=False``) the iteration until its
+    synchronous step is done, which each iteration of synchronous steps waits for."""
     plan.validate(costs.layers.num_layers)
     config = Config(plan, costs, num_devices, round_size or num_devices, is_async)
     single = Simulation(config)
@@ -64,14 +66,11 @@ def simulate_roundpipe(
         timings = engine.run(single.ops)
     spans = [s for s in engine.spans(single.ops, timings) if s.kind not in BOOKKEEPING]
     makespan = compute_makespan(spans)
-    iteration_time = steady_iteration_time(
-        plan,
-        costs,
-        num_devices,
-        num_microbatches,
-        round_size=round_size,
-        is_async=is_async,
-    )
+    args = (plan, costs, num_devices, num_microbatches)
+    if is_async:
+        iteration_time = steady_iteration_time(*args, round_size=round_size)
+    else:
+        iteration_time = isolated_iteration_time(*args, round_size=round_size)
     busy = busy_time(spans)
     return SimResult(
         schedule="roundpipe",
@@ -107,6 +106,32 @@ def steady_iteration_time(
         costs, num_devices, num_microbatches, round_size=round_size, is_async=is_async
     )
     return max(mean, bounds.tight(plan))
+
+
+def isolated_iteration_time(
+    plan: Plan,
+    costs: CostModel,
+    num_devices: int,
+    num_microbatches: int,
+    *,
+    round_size: int | None = None,
+    stages: dict | None = None,
+) -> float:
+    """Seconds of one iteration from idle with a synchronous optimizer step, until its
+    step is done (the makespan objective). With synchronous steps every iteration waits
+    for the step before it, so this is also their steady state (the cursor only
+    relabels the devices). Walked (:func:`roundpipe.planning.sim.walk.isolated_time`),
+    or replayed as an op graph where the walk cannot tell; ``stages`` as in
+    :func:`steady_mean`."""
+    round_size = round_size or num_devices
+    try:
+        return walk.isolated_time(
+            plan, costs, num_devices, num_microbatches, round_size=round_size, stages=stages
+        )
+    except walk.Undecided:
+        config = Config(plan, costs, num_devices, round_size, False, record=False)
+        with _gc_paused():
+            return Simulation(config).isolated_end(num_microbatches)
 
 
 def steady_mean(

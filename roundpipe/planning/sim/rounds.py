@@ -118,6 +118,13 @@ class Simulation:
             max(start[i] + duration[i] for i in self._compute_ops[it]) for it in range(iterations)
         ]
 
+    def isolated_end(self, num_microbatches: int) -> float:
+        """When one iteration from idle is over: the end of its last op (compute,
+        download or optimizer step; with a synchronous step nothing follows it)."""
+        self.add_iterations(num_microbatches, 1, 0)
+        start = engine.replay_arrays(self.arrays).start
+        return max(s + d for s, d in zip(start, self.arrays.duration, strict=True))
+
     def exposed_comm(self, timings: dict[int, engine.Timing]) -> float:
         return sum(timings[op.key].exposed_transfer for op in self.ops if op.stream == COMPUTE)
 

@@ -71,6 +71,24 @@ def iteration_ends(
     return walk.run(round_sizes(num_microbatches, round_size), iterations, followed)
 
 
+def isolated_time(
+    plan: Plan,
+    costs: CostModel,
+    num_devices: int,
+    num_microbatches: int,
+    *,
+    round_size: int,
+    stages: dict | None = None,
+) -> float:
+    """When one iteration from idle, with a synchronous optimizer step and nothing
+    following, is over: its last compute op, gradient download or step, whichever ends
+    last (the end of every op of ``Simulation``'s graph of that iteration); raises
+    :class:`Undecided` where the walk cannot tell."""
+    walk = _Walk(plan, costs, num_devices, False, stages)
+    (end,) = walk.run(round_sizes(num_microbatches, round_size), 1, followed=False)
+    return max(end, walk.host, *walk.dfree)
+
+
 def stages_of(
     plan: Plan, costs: CostModel, cache: dict | None = None
 ) -> tuple[list[_Stage], int, list[list[int]]]:
