@@ -29,6 +29,7 @@ from .checkpoints import (
 )
 from .disk import SMALL_FILE, writing
 from .hub import ModelSource, resolve_model
+from .long_context import fit_sequences, tiling_note
 from .model_checks import lora_config
 from .optim import (
     Optimization,
@@ -90,6 +91,7 @@ def build_pipe(
             **several,
         )
     pipe.train()  # as Trainer trains: the config's dropout (and --lora-dropout) active
+    fit_sequences(pipe, options, ranks or Ranks())  # closes the pipe when it refuses
     return pipe, scaler
 
 
@@ -178,7 +180,8 @@ class Run:
         self.say(
             f"training {'all weights' if o.full else 'a LoRA adapter'} of {self._model_name()} "
             f"({trainable:,} trainable parameters) on {where}, "
-            f"{o.precision}{lean_note(o)}, steps {start.step + 1}-{self.total}"
+            f"{o.precision}{lean_note(o)}{tiling_note(self.pipe)}, "
+            f"steps {start.step + 1}-{self.total}"
         )
         self.progress = (
             open_progress(self.total, start.step, self.stream) if self.main else Silent()

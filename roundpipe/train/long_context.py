@@ -1,0 +1,110 @@
+"""Long sequences in ``roundpipe train``: the tiled layers when a microbatch needs them.
+
+A microbatch of ``rows x --seq-len`` tokens that the untiled layers cannot train on the
+smallest GPU, recomputed one layer at a time, gets every layer's input saved
+(``recompute_grain="layer"``) and its MLPs and norms tiled in chunks of
+``DEFAULT_SEQ_CHUNK_TOKENS`` (docs/design.md#long-context); one that even those cannot
+train is refused before the first step, with the longest sequence predicted to fit.
+The predictions are :func:`roundpipe.predict.models.max_seq_len`'s.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from ..core.tiling import DEFAULT_SEQ_CHUNK_TOKENS
+from ..predict.gpus import gpu_preset
+from ..predict.host_settings import LeanSettings
+from ..predict.model_specs import ModelSpec
+from ..predict.models import Workload, max_seq_len
+from .optim import optimizer_settings
+from .options import TrainOptions
+from .ranks import Ranks
+from .usage import UsageError
+
+_PRECISION_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+
+
+@dataclass(frozen=True)
+class SequenceSetting:
+    """How a run's layers meet its sequences."""
+
+    seq_chunk_tokens: int | None = None
+    recompute_grain: str = "stage"
+
+
+def sequence_setting(
+    model_config,
+    seq_len: int,
+    rows: int,
+    capacities: list[int | None],
+    precision: str | None,
+    lora_rank: int = 0,
+    settings: LeanSettings | None = None,
+) -> SequenceSetting:
+    """The setting for microbatches of ``rows`` sequences of ``seq_len`` tokens on
+    devices of ``capacities`` bytes (``None``: unbounded, nothing to decide)."""
+    if not capacities or None in capacities:
+        return SequenceSetting()
+    try:
+        spec = ModelSpec.from_config(model_config)
+    except ValueError:  # a config the predictor cannot read: leave the layers as they are
+        return SequenceSetting()
+    # the predictions are for 16-bit weights and activations: fp32 needs twice the bytes
+    tokens = rows * seq_len * _PRECISION_BYTES.get(precision or "bf16", 2) // 2
+    smallest = min(c for c in capacities if c is not None)
+    gpu = replace(gpu_preset("rtx4090"), name="the smallest device", memory_bytes=smallest)
+    work = Workload(seq_len, 1, lora_rank=lora_rank, settings=settings or LeanSettings())
+    untiled = max_seq_len(spec, gpu, work, seq_chunk_tokens=None)
+    if tokens <= untiled.max_seq_len:
+        return SequenceSetting()
+    tiled = max_seq_len(spec, gpu, work)
+    if tokens <= tiled.max_seq_len:
+        return SequenceSetting(DEFAULT_SEQ_CHUNK_TOKENS, "layer")
+    rows_text = f"{rows} sequences of {seq_len} tokens" if rows > 1 else f"{seq_len} tokens"
+    raise UsageError(
+        f"a microbatch of {rows_text} does not fit the smallest device "
+        f"({smallest / 2**30:.1f} GiB): with tiled layers and every layer's input "
+        f"saved, the longest sequence predicted to train on it is {tiled.max_seq_len} "
+        f"tokens per microbatch ({tiled.limit} runs out of memory first); lower --seq-len"
+        + (", use more microbatches (--microbatches)" if rows > 1 else "")
+        + " or train on devices with more memory (roundpipe simulate --max-seq-len "
+        "predicts it for a GPU)"
+    )
+
+
+def fit_sequences(pipe, options: TrainOptions, ranks: Ranks) -> None:
+    """Set ``pipe``'s run config for the run's sequences, or close it and refuse them."""
+    try:
+        setting = _setting(pipe, options, ranks)
+    except BaseException:
+        pipe.close()
+        raise
+    if setting.seq_chunk_tokens is not None:
+        pipe.run_config = pipe.run_config.replace(
+            seq_chunk_tokens=setting.seq_chunk_tokens, recompute_grain=setting.recompute_grain
+        )
+
+
+def _setting(pipe, options: TrainOptions, ranks: Ranks) -> SequenceSetting:
+    rows = max(1, options.batch_size // ranks.world)
+    split = min(pipe.run_config.num_microbatch or len(pipe.pool) + 1, rows)
+    states, masters = optimizer_settings(options)
+    quantize = None if options.full or options.quantize == "none" else options.quantize
+    return sequence_setting(
+        pipe.hf_model.config,
+        options.seq_len,
+        -(-rows // split),
+        [device.memory_capacity() for device in pipe.pool],
+        options.precision,
+        0 if options.full else options.lora_r,
+        LeanSettings(states, masters, quantize),
+    )
+
+
+def tiling_note(pipe) -> str:
+    """For the line that starts training: the tiling, when on."""
+    chunk = pipe.run_config.seq_chunk_tokens
+    if chunk is None:
+        return ""
+    return f", layers tiled in {chunk}-token chunks (every layer's input saved)"
