@@ -20,19 +20,19 @@ from roundpipe.predict.model_specs import ModelSpec  # noqa: E402
 from roundpipe.predict.unit_costs import tiled_layer_bytes  # noqa: E402
 
 VOCAB = 64
-PLAN = "1,1|1,1,1"  # embedding, one decoder layer, head: each its own stage
+PLAN = "1,1,1|1,1,1,1"  # embedding, two decoder layers, head: each its own stage
 CHUNK = 256
 
 
 def llama(intermediate: int = 344, dtype=torch.bfloat16, family: str = "llama"):
-    """A one-layer Llama-shaped model (Qwen3: with norms on every query and key head)."""
+    """A two-layer Llama-shaped model (Qwen3: with norms on every query and key head)."""
     torch.manual_seed(0)
     kind = transformers.Qwen3Config if family == "qwen3" else transformers.LlamaConfig
     config = kind(
         vocab_size=VOCAB,
         hidden_size=128,
         intermediate_size=intermediate,
-        num_hidden_layers=1,
+        num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=1 << 16,

@@ -54,6 +54,8 @@ def _mask_kwargs() -> str:
 
 
 class EmbedLayer(nn.Module):
+    modifies_inputs = False  # RoundPipe need not copy a stage input for it
+
     def __init__(self, embed_tokens: nn.Module) -> None:
         super().__init__()
         self.embed_tokens = embed_tokens
@@ -65,6 +67,8 @@ class EmbedLayer(nn.Module):
 class DecoderLayer(nn.Module):
     """One decoder layer of the model, with its own copy of the rotary embedding (its
     tables are derived constants, not weights)."""
+
+    modifies_inputs = False
 
     def __init__(
         self,
@@ -141,6 +145,8 @@ class DecoderLayer(nn.Module):
 
 class HeadLayer(nn.Module):
     """Final norm and LM head; with labels, the summed loss of the shifted labels."""
+
+    modifies_inputs = False
 
     def __init__(
         self,

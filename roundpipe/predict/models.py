@@ -347,29 +347,42 @@ def max_seq_len(
     that needs least GPU memory: each layer recomputed alone from its saved input),
     layers tiled in chunks of ``seq_chunk_tokens`` (``None``: untiled, the paper's
     law), against the GPU and, when ``host_ram`` is given, the host's RAM."""
-    probe = replace(work, batch=1, microbatch_size=1, seq_chunk_tokens=seq_chunk_tokens)
 
     def measure(seq_len: int) -> MemoryAt:
-        at = replace(probe, seq_len=seq_len)
-        model = _Model.build(spec, gpu, at, seq_len)
-        costs = cost_model(model, gpu, at, 1, 1)
-        plan = finest_plan(len(model.units))
-        stage, device = max(stage_peaks(costs, plan), key=lambda peak: peak[1].total)
-        host = host_ram_terms(
-            model.trainable,
-            model.frozen,
-            at.optimizer_shards,
-            plan,
-            1,
-            costs.layers.boundary_bytes,
-            at.settings,
-            model.quantized,
-        )
-        return MemoryAt(device, _unit_name(stage.start, len(model.units)), host)
+        return memory_at(spec, gpu, work, seq_len, seq_chunk_tokens)
 
     host_budget = None if host_ram is None else Budget(host_ram).available
     longest = search(measure, Budget(gpu.memory_bytes).available, host_budget)
     return replace(longest, seq_chunk_tokens=seq_chunk_tokens)
+
+
+def memory_at(
+    spec: ModelSpec,
+    gpu: Gpu,
+    work: Workload,
+    seq_len: int,
+    seq_chunk_tokens: int | None = DEFAULT_SEQ_CHUNK_TOKENS,
+) -> MemoryAt:
+    """What one sequence of ``seq_len`` tokens needs on the fullest GPU (one layer per
+    stage) and on the host (every layer's input saved)."""
+    at = replace(
+        work, seq_len=seq_len, batch=1, microbatch_size=1, seq_chunk_tokens=seq_chunk_tokens
+    )
+    model = _Model.build(spec, gpu, at, seq_len)
+    costs = cost_model(model, gpu, at, 1, 1)
+    plan = finest_plan(len(model.units))
+    stage, device = max(stage_peaks(costs, plan), key=lambda peak: peak[1].total)
+    host = host_ram_terms(
+        model.trainable,
+        model.frozen,
+        at.optimizer_shards,
+        plan,
+        1,
+        costs.layers.boundary_bytes,
+        at.settings,
+        model.quantized,
+    )
+    return MemoryAt(device, _unit_name(stage.start, len(model.units)), host)
 
 
 def _unit_name(index: int, num_units: int) -> str:

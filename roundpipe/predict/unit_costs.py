@@ -39,6 +39,9 @@ RESIDUAL_BYTES = 6
 LOSS_FORWARD_BYTES = 12  # per logit: half logits, fp32 log-softmax (calibrated: eager is ~16)
 LOSS_BACKWARD_BYTES = 8  # per logit: softmax gradient, downcast (calibrated)
 ATTENTION_BACKWARD = 2.5
+TILED_LOSS_BYTES_PER_LOGIT = 3 * FP32
+"""A loss chunk's peak in its backward: the float32 log-softmax it saved, the gradient
+of the loss and of the log-softmax (measured on the emulated device)."""
 
 
 @dataclass(frozen=True)
@@ -134,11 +137,12 @@ def tiled_layer_bytes(spec: ModelSpec, tokens: int, chunk: int) -> int:
     weights and gradients: what grows with the sequence, per token, plus one chunk's
     working set. Measured on the emulated device (tests/test_long_context.py)."""
     h, q, kv = spec.hidden_size, spec.q_width, spec.kv_width
-    # At the peak, the attention's backward: the saved input, its autograd copy, the
-    # incoming gradient, the first norm's output, the two residual sums (hidden
-    # size); the rotated queries and keys, the values, the attention output and the
-    # gradients of all four (query and key-value sizes); the log-sum-exp, the rotary
-    # tables; with per-head norms, their inputs (kept by their tiles).
+    # At the peak, the attention's backward: the saved input, the incoming gradient,
+    # the first norm's output, the two residual sums, the next backward job's saved
+    # input already uploaded (hidden size); the rotated queries
+    # and keys, the values, the attention output and the gradients of all four (query
+    # and key-value sizes); the log-sum-exp, the rotary tables; with per-head norms,
+    # their inputs (kept by their tiles).
     per_token = HALF * (6 * h + 4 * q + 4 * kv) + FP32 * spec.num_heads
     per_token += 2 * HALF * spec.head_dim
     if spec.qk_norm:
@@ -149,16 +153,12 @@ def tiled_layer_bytes(spec: ModelSpec, tokens: int, chunk: int) -> int:
 
 def tiled_head_bytes(spec: ModelSpec, tokens: int, chunk: int) -> int:
     """The head's backward with its norm tiled and its loss in chunks of
-    ``LOSS_CHUNK_TOKENS``: the input, its copy, the normed hidden states and their
-    gradients per token, and one loss chunk's logits."""
+    ``LOSS_CHUNK_TOKENS``: the input, the normed hidden states and their gradients and
+    the next job's input per token, and one loss chunk's logits."""
     h, v = spec.hidden_size, spec.vocab_size
     loss_chunk = max(1, min(tokens, LOSS_CHUNK_TOKENS, TILED_LOSS_LOGITS // v))
     norm_chunk = min(tokens, chunk) * 6 * FP32 * h
-    return (
-        tokens * 5 * HALF * h
-        + loss_chunk * v * (LOSS_FORWARD_BYTES + LOSS_BACKWARD_BYTES)
-        + norm_chunk
-    )
+    return tokens * 5 * HALF * h + loss_chunk * v * TILED_LOSS_BYTES_PER_LOGIT + norm_chunk
 
 
 def _chunk_bytes_per_token(spec: ModelSpec) -> int:

@@ -47,8 +47,8 @@ class StageCompute:
             for i in job.layers:
                 if i in rng:
                     out[RngState(i, m)] = seed
-                if i in saves:  # a copy: a later layer may modify its input in place
-                    out[Activation(i, m)] = inplace_safe(x, clone_all=True)
+                if i in saves:  # a copy if the layer may modify its input in place
+                    out[Activation(i, m)] = self.safe_input(i, x, clone_all=True)
                 x = self.run_layer(i, x, m, "forward", seed)
         out[Activation(job.layers.stop, m)] = x
         return out
@@ -58,7 +58,7 @@ class StageCompute:
         inputs, target = value.take(), label.take()
         with torch.enable_grad():
             with call.autocast.scope():
-                x = inplace_safe(inputs)
+                x = self.safe_input(job.layers.start, inputs)
                 seed = microbatch_seed(call.rng_seed, m)
                 for i in job.layers:
                     x = self.run_layer(i, x, m, "forward", seed)
@@ -81,7 +81,7 @@ class StageCompute:
         inputs = value.take()
         seed = microbatch_seed(call.rng_seed, m, redraw=True) if rng is None else rng.value
         with torch.enable_grad(), call.autocast.scope():
-            x = inplace_safe(inputs)
+            x = self.safe_input(layers.start, inputs)
             for i in layers:
                 x = self.run_layer(i, x, m, "recompute", seed)
         return inputs, x
@@ -93,6 +93,14 @@ class StageCompute:
             self.timed("backward", layers, lambda: torch.autograd.backward(tensors, grads))
         grad = grads_of_inputs(inputs) if layers.start > 0 else None
         return {InputGrad(layers.start, m): grad}
+
+    def safe_input(self, index: int, value, clone_all: bool = False):
+        """``value`` as layer ``index`` may receive it: copied (``inplace_safe``) unless
+        the layer's module says it never modifies its input in place
+        (``modifies_inputs = False``: docs/design.md#jobs-by-kind)."""
+        if getattr(self.layers[index].module, "modifies_inputs", True) is False:
+            return value
+        return inplace_safe(value, clone_all)
 
     def timed(self, kind: str, layers: range, fn: Callable[..., object], *args, **kwargs):
         """Run ``fn(*args, **kwargs)``, model its kernel time, record its duration.
