@@ -131,6 +131,18 @@ def test_a_tiled_layers_memory_hardly_moves_when_the_mlp_doubles():
     assert untiled[1] / untiled[0] > 1.3, untiled  # what tiling removed
 
 
+def test_a_right_padded_training_batch_needs_no_s_by_s_mask():
+    model = llama()
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    padded = long_batch(8192, packed=False)
+    padded["attention_mask"] = torch.ones_like(padded["input_ids"])
+    padded["attention_mask"][:, 6000:] = 0  # the last 2192 tokens are padding
+    padded["labels"][:, 6000:] = -100
+    _, peak = run(model, padded, CHUNK)
+    causal = bytes_per_token(8192, False, CHUNK)
+    assert (peak - 3 * weights) / 8192 <= 1.05 * causal  # an S x S mask: +8 KB a token
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 def test_the_predicted_law_matches_the_emulated_device(family):
     """The bytes the predictor charges a tiled layer (roundpipe.predict) against what the

@@ -95,7 +95,10 @@ class DecoderLayer(nn.Module):
             positions = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
         segments = self._segments(attention_mask, position_ids)
         if segments is None:
-            mask = self._mask(hidden, attention_mask, positions)
+            mask_from = (
+                None if self._padding_only_trails(attention_mask, labels) else attention_mask
+            )
+            mask = self._mask(hidden, mask_from, positions)
             attention = contextlib.nullcontext()
         else:
             mask, attention = segments, segmented_attention(self.config)
@@ -110,6 +113,20 @@ class DecoderLayer(nn.Module):
                 router_sums, router_logits, attention_mask, self.router_loss
             )
         return hidden, attention_mask, position_ids, labels, router_sums
+
+    def _padding_only_trails(self, attention_mask, labels) -> bool:
+        """In training (labels given), a right-padded batch under causal SDPA needs no
+        ``S x S`` padding mask: no real token attends to a later pad, so every real
+        token's output is the same, and the pads' own outputs carry no label. (Logits
+        of pads, returned without labels, keep transformers' mask.)"""
+        return (
+            labels is not None
+            and attention_mask is not None
+            and attention_mask.dim() == 2
+            and self.mask_kind == "full_attention"
+            and self.config._attn_implementation == "sdpa"
+            and bool((attention_mask[:, 1:] <= attention_mask[:, :-1]).all())
+        )
 
     def _segments(self, attention_mask, position_ids):
         """The packed examples of a batch of one sequence when SDPA can attend within
