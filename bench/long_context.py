@@ -5,7 +5,7 @@ sequences it predicts (docs/design.md#long-context).
     .venv/bin/python bench/long_context.py --table    # predictions, the paper's models
     python3 bench/long_context.py --gpu cuda:0        # on a GPU (bench/gpu_check.sh)
 
-``--law`` trains one step of a one-layer Llama-shaped bf16 model on one emulated
+``--law`` trains one step of a two-layer Llama-shaped bf16 model on one emulated
 device that counts what layers compute, one stage per unit and every layer's input
 saved, and prints the device's peak less three copies of the weights, per token, at
 4K, 8K and 16K tokens, causal and packed (examples of 1000 tokens), at two MLP widths,
@@ -69,7 +69,7 @@ def tiny_llama(intermediate: int):
         vocab_size=64,
         hidden_size=128,
         intermediate_size=intermediate,
-        num_hidden_layers=1,
+        num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=1 << 16,
