@@ -6,6 +6,8 @@ pipe untiled, and the emulated device's memory counting what layers compute."""
 
 from __future__ import annotations
 
+import pickle
+
 import pytest
 import torch
 
@@ -113,6 +115,9 @@ def test_tiling_leaves_the_model_as_transformers_runs_and_saves_it(tmp_path):
         torch.testing.assert_close(model(**batch).loss, before)
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
     assert list(reloaded.state_dict()) == keys
+    copied = pickle.loads(pickle.dumps(model))  # the tiled forwards pickle with it
+    with torch.no_grad():
+        torch.testing.assert_close(copied(**batch).loss, before)
 
 
 # -- the memory law -----------------------------------------------------------------------

@@ -15,7 +15,6 @@ docs/design.md#long-context.
 from __future__ import annotations
 
 import contextlib
-import types
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -59,27 +58,34 @@ def tile(module: nn.Module) -> None:
     follow :func:`seq_chunk_tokens`; without it, or for a sequence no longer than one
     chunk, it runs as before. Its state dict and parameters do not change."""
     if "forward" not in module.__dict__:
-        module.forward = types.MethodType(_tiled_forward, module)
+        module.forward = TiledForward(module)
 
 
-def _tiled_forward(self: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
-    chunk = seq_chunk_tokens()
-    plain = type(self).forward
-    if chunk is None or hidden.dim() < 3 or hidden.shape[1] <= chunk:
-        return plain(self, hidden)
-    pieces = hidden.split(chunk, dim=1)
-    if not torch.is_grad_enabled():
-        return torch.cat([plain(self, piece) for piece in pieces], dim=1)
-    # The recompute runs in the backward, when RoundPipe has unbound the layer's
-    # device tensors: they are passed in, not read from the module then.
-    names, tensors = _state(self)
-    return torch.cat(
-        [
-            checkpoint(_run_piece, self, names, piece, *tensors, use_reentrant=False)
-            for piece in pieces
-        ],
-        dim=1,
-    )
+class TiledForward:
+    """A module's ``forward`` over chunks of the sequence (an object, not a bound
+    method, so the module still pickles; ``deepcopy`` copies it with its module)."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+
+    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
+        module, chunk = self.module, seq_chunk_tokens()
+        plain = type(module).forward
+        if chunk is None or hidden.dim() < 3 or hidden.shape[1] <= chunk:
+            return plain(module, hidden)
+        pieces = hidden.split(chunk, dim=1)
+        if not torch.is_grad_enabled():
+            return torch.cat([plain(module, piece) for piece in pieces], dim=1)
+        # The recompute runs in the backward, when RoundPipe has unbound the layer's
+        # device tensors: they are passed in, not read from the module then.
+        names, tensors = _state(module)
+        return torch.cat(
+            [
+                checkpoint(_run_piece, module, names, piece, *tensors, use_reentrant=False)
+                for piece in pieces
+            ],
+            dim=1,
+        )
 
 
 def _state(module: nn.Module) -> tuple[list[str], list[torch.Tensor]]:
@@ -200,6 +206,5 @@ def _register() -> None:
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-    if SEGMENTED_SDPA not in AttentionInterface._global_mapping:
-        AttentionInterface.register(SEGMENTED_SDPA, _segmented_sdpa)
-        AttentionMaskInterface.register(SEGMENTED_SDPA, sdpa_mask)
+    AttentionInterface.register(SEGMENTED_SDPA, _segmented_sdpa)  # idempotent
+    AttentionMaskInterface.register(SEGMENTED_SDPA, sdpa_mask)
