@@ -13,7 +13,7 @@ from roundpipe.core.tiling import DEFAULT_SEQ_CHUNK_TOKENS
 from roundpipe.predict.gpus import gpu_preset
 from roundpipe.predict.model_specs import ModelSpec
 from roundpipe.predict.models import Workload, max_seq_len
-from roundpipe.train.long_context import fit_sequences, sequence_setting, tiling_note
+from roundpipe.train.long_context import CHUNKS, fit_sequences, sequence_setting, tiling_note
 from roundpipe.train.ranks import Ranks
 from roundpipe.train.usage import UsageError
 
@@ -37,7 +37,13 @@ def test_short_sequences_keep_the_default_layers():
 def test_a_sequence_too_long_for_untiled_layers_tiles_them_and_saves_every_input():
     setting = sequence_setting(LLAMA_8B, 131072, 1, [GPU_24GB] * 8, "bf16")
     assert setting.seq_chunk_tokens == DEFAULT_SEQ_CHUNK_TOKENS
-    assert setting.recompute_grain == "layer"
+    assert setting.recompute_grain == "layer" and setting.finest
+
+
+def test_a_sequence_near_the_untiled_limit_gets_the_plan_the_prediction_is_of():
+    setting = sequence_setting(LLAMA_8B, 40960, 1, [GPU_24GB] * 8, "bf16")
+    assert setting.seq_chunk_tokens is None
+    assert setting.recompute_grain == "layer" and setting.finest
 
 
 def test_the_smallest_device_decides():
@@ -47,10 +53,11 @@ def test_the_smallest_device_decides():
 
 
 def test_a_sequence_nothing_fits_is_refused_with_the_predicted_maximum():
-    predicted = max_seq_len(
+    predicted = max_seq_len(  # with the smallest chunk: the longest any setting trains
         ModelSpec.from_config(LLAMA_8B),
         replace(gpu_preset("rtx4090"), memory_bytes=GPU_24GB),
         Workload(2048, 1),
+        seq_chunk_tokens=CHUNKS[-1],
     ).max_seq_len
     with pytest.raises(UsageError) as refused:
         sequence_setting(LLAMA_8B, 1 << 20, 1, [GPU_24GB], "bf16")
@@ -73,13 +80,13 @@ def test_unbounded_devices_and_unreadable_configs_change_nothing():
     )
 
 
-def _options(seq_len: int, batch_size: int = 1) -> SimpleNamespace:
+def _options(seq_len: int, batch_size: int = 1, precision: str = "fp32") -> SimpleNamespace:
     return SimpleNamespace(
         seq_len=seq_len,
         batch_size=batch_size,
         full=True,
         quantize="none",
-        precision="fp32",
+        precision=precision,
         lora_r=0,
         optimizer_states="fp32",
         master_weights="fp32",
@@ -95,6 +102,7 @@ class _Pipe:
         self.pool = [SimpleNamespace(memory_capacity=lambda: capacity)]
         self.hf_model = SimpleNamespace(config=SimpleNamespace(to_dict=lambda: LLAMA_8B))
         self.run_config = roundpipe.RoundPipeRunConfig(num_microbatch=1)
+        self.num_layers = LLAMA_8B["num_hidden_layers"] + 2
         self.closed = False
 
     def close(self) -> None:
@@ -106,7 +114,10 @@ def test_fit_sequences_sets_the_run_config_or_closes_the_pipe_and_refuses():
     fit_sequences(pipe, _options(65536), Ranks())  # fp32: 131072 16-bit tokens' bytes
     assert pipe.run_config.seq_chunk_tokens == DEFAULT_SEQ_CHUNK_TOKENS
     assert pipe.run_config.recompute_grain == "layer"
-    assert "tiled in 4096-token chunks" in tiling_note(pipe)
+    assert str(pipe.run_config.execute_plan) == ",".join(["1"] * 33) + "|" + ",".join(["1"] * 34)
+    assert tiling_note(pipe) == (
+        ", one layer per stage tiled in 4096-token chunks, every layer's input saved"
+    )
     refused = _Pipe(8 * 2**30)
     with pytest.raises(UsageError):
         fit_sequences(refused, _options(1 << 20), Ranks())
@@ -115,3 +126,48 @@ def test_fit_sequences_sets_the_run_config_or_closes_the_pipe_and_refuses():
     fit_sequences(short, _options(1024), Ranks())
     assert short.run_config.seq_chunk_tokens is None and tiling_note(short) == ""
     assert not short.closed
+
+
+@pytest.mark.parametrize("capacity_mib", [40, 60, 100])
+def test_what_fit_sequences_chooses_trains_in_the_emulated_capacity(capacity_mib):
+    """The oracle is the device: a capacity that counts what layers compute. Each
+    capacity gets another setting (tiles of 1024 or 2048 tokens, or no tiles), and one
+    step of 8192 tokens trains in it with the loss of an unbounded run."""
+    pytest.importorskip("transformers")
+    from test_long_context import llama, long_batch
+
+    import roundpipe
+    from roundpipe import EmulatedOptions, RoundPipeRunConfig
+
+    batch = long_batch(8192, packed=True)
+    with roundpipe.from_hf(
+        llama(), devices="emulated:1", model_run_config=RoundPipeRunConfig(num_microbatch=1)
+    ) as free:
+        want = free.forward_backward(input_kwargs=batch).item()
+    options = EmulatedOptions(capacity_bytes=capacity_mib * 2**20, count_compute_memory=True)
+    pipe = roundpipe.from_hf(
+        llama(),
+        devices="emulated:1",
+        model_run_config=RoundPipeRunConfig(num_microbatch=1),
+        emulated_options=options,
+    )
+    with pipe:
+        fit_sequences(pipe, _options(8192, precision="bf16"), Ranks())
+        assert pipe.run_config.recompute_grain == "layer"
+        loss = pipe.forward_backward(input_kwargs=batch).item()
+        assert pipe.device_memory()[0]["peak"] <= capacity_mib * 2**20
+    assert loss == pytest.approx(want, rel=1e-2)  # bf16: tiled sums in another order
+
+
+def test_a_capacity_nothing_fits_is_refused_before_training():
+    pytest.importorskip("transformers")
+    from test_long_context import llama
+
+    import roundpipe
+    from roundpipe import EmulatedOptions
+
+    options = EmulatedOptions(capacity_bytes=20 * 2**20, count_compute_memory=True)
+    pipe = roundpipe.from_hf(llama(), devices="emulated:1", emulated_options=options)
+    with pytest.raises(UsageError, match="does not fit the smallest device"):
+        fit_sequences(pipe, _options(8192, precision="bf16"), Ranks())
+    assert pipe._session.closed

@@ -1,10 +1,11 @@
 """Long sequences in ``roundpipe train``: the tiled layers when a microbatch needs them.
 
-A microbatch of ``rows x --seq-len`` tokens that the untiled layers cannot train on the
-smallest GPU, recomputed one layer at a time, gets every layer's input saved
-(``recompute_grain="layer"``) and its MLPs and norms tiled in chunks of
-``DEFAULT_SEQ_CHUNK_TOKENS`` (docs/design.md#long-context); one that even those cannot
-train is refused before the first step, with the longest sequence predicted to fit.
+A microbatch of ``rows x --seq-len`` tokens near what the untiled layers can train on the
+smallest GPU (over ``AUTO_PLAN_SHARE`` of it) gets one unit per stage and every
+layer's input saved (``recompute_grain="layer"``); beyond it, its MLPs and norms are
+tiled too, in the largest of ``CHUNKS`` that fits the device
+(docs/design.md#long-context); one that even the smallest cannot train is refused
+before the first step, with the longest sequence predicted to fit.
 The predictions are :func:`roundpipe.predict.models.max_seq_len`'s.
 """
 
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from ..core.plan import Plan
 from ..core.tiling import DEFAULT_SEQ_CHUNK_TOKENS
 from ..predict.gpus import gpu_preset
 from ..predict.host_settings import LeanSettings
@@ -23,6 +25,12 @@ from .ranks import Ranks
 from .usage import UsageError
 
 _PRECISION_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+AUTO_PLAN_SHARE = 0.5
+"""Up to this share of the untiled layers' longest sequence the automatic plan is kept;
+above it the plan the prediction is of is pinned: the automatic planner does not see
+the tensors autograd saves inside a layer (README "Status")."""
+CHUNKS = tuple(DEFAULT_SEQ_CHUNK_TOKENS >> k for k in range(5))
+"""The chunks tried, largest first: ``DEFAULT_SEQ_CHUNK_TOKENS`` down to a sixteenth."""
 
 
 @dataclass(frozen=True)
@@ -31,6 +39,9 @@ class SequenceSetting:
 
     seq_chunk_tokens: int | None = None
     recompute_grain: str = "stage"
+    finest: bool = False
+    """One unit per stage (the plan the predictions are of) instead of the automatic
+    plan."""
 
 
 def sequence_setting(
@@ -56,11 +67,14 @@ def sequence_setting(
     gpu = replace(gpu_preset("rtx4090"), name="the smallest device", memory_bytes=smallest)
     work = Workload(seq_len, 1, lora_rank=lora_rank, settings=settings or LeanSettings())
     untiled = max_seq_len(spec, gpu, work, seq_chunk_tokens=None)
-    if tokens <= untiled.max_seq_len:
+    if tokens <= AUTO_PLAN_SHARE * untiled.max_seq_len:
         return SequenceSetting()
-    tiled = max_seq_len(spec, gpu, work)
-    if tokens <= tiled.max_seq_len:
-        return SequenceSetting(DEFAULT_SEQ_CHUNK_TOKENS, "layer")
+    if tokens <= untiled.max_seq_len:
+        return SequenceSetting(None, "layer", finest=True)
+    for chunk in CHUNKS:  # the largest chunk that fits: the fewest recomputed pieces
+        tiled = max_seq_len(spec, gpu, work, seq_chunk_tokens=chunk)
+        if tokens <= tiled.max_seq_len:
+            return SequenceSetting(chunk, "layer", finest=True)
     rows_text = f"{rows} sequences of {seq_len} tokens" if rows > 1 else f"{seq_len} tokens"
     raise UsageError(
         f"a microbatch of {rows_text} does not fit the smallest device "
@@ -80,9 +94,12 @@ def fit_sequences(pipe, options: TrainOptions, ranks: Ranks) -> None:
     except BaseException:
         pipe.close()
         raise
-    if setting.seq_chunk_tokens is not None:
+    if setting.finest:
+        units = pipe.num_layers
         pipe.run_config = pipe.run_config.replace(
-            seq_chunk_tokens=setting.seq_chunk_tokens, recompute_grain=setting.recompute_grain
+            seq_chunk_tokens=setting.seq_chunk_tokens,
+            recompute_grain=setting.recompute_grain,
+            execute_plan=Plan((1,) * (units - 1), (1,) * units),
         )
 
 
@@ -103,8 +120,13 @@ def _setting(pipe, options: TrainOptions, ranks: Ranks) -> SequenceSetting:
 
 
 def tiling_note(pipe) -> str:
-    """For the line that starts training: the tiling, when on."""
-    chunk = pipe.run_config.seq_chunk_tokens
-    if chunk is None:
+    """For the line that starts training: the long-sequence setting, when on."""
+    config = pipe.run_config
+    if config.recompute_grain != "layer" or config.execute_plan is None:
         return ""
-    return f", layers tiled in {chunk}-token chunks (every layer's input saved)"
+    tiles = (
+        ""
+        if config.seq_chunk_tokens is None
+        else f" tiled in {config.seq_chunk_tokens}-token chunks"
+    )
+    return f", one layer per stage{tiles}, every layer's input saved"
