@@ -34,14 +34,17 @@ def packed_batch(seed: int = 0):
     return {"input_ids": ids, "position_ids": positions, "labels": labels}
 
 
+@pytest.mark.parametrize("chunk", [None, 5], ids=["untiled", "tiled"])
 @pytest.mark.parametrize("family", ["llama", "mistral", "qwen3"])
-def test_packed_batches_equal_the_hugging_face_model(family):
+def test_packed_batches_equal_the_hugging_face_model(family, chunk):
+    """Tiled (docs/design.md#long-context): MLPs and norms in chunks of 5 tokens, and
+    microbatches of one row, whose examples attend through SDPA one by one."""
     model = build(family)
     batch = packed_batch()
     # Without use_cache=False the model builds a KV cache even in training, and
     # transformers then ignores packing (attention crosses the examples).
     want, want_grads = hf_loss_and_grads(model, batch, use_cache=False)
-    config = RoundPipeRunConfig(num_microbatch=2)
+    config = RoundPipeRunConfig(num_microbatch=2 if chunk is None else 3, seq_chunk_tokens=chunk)
     with roundpipe.from_hf(model, devices="emulated:2", model_run_config=config) as pipe:
         loss = pipe.forward_backward(input_kwargs=batch)
         pipe.synchronize()
