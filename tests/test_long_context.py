@@ -13,7 +13,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from test_hf_from_hf import hf_loss_and_grads  # noqa: E402
+from test_hf_from_hf import build, hf_loss_and_grads  # noqa: E402
 
 import roundpipe  # noqa: E402
 from roundpipe import EmulatedOptions, RoundPipeRunConfig  # noqa: E402
@@ -25,10 +25,30 @@ PLAN = "1,1,1|1,1,1,1"  # embedding, two decoder layers, head: each its own stag
 CHUNK = 256
 
 
+FAMILIES = {  # beside Llama's: Qwen3 norms every query and key head; Mistral attends
+    # within a window (one of 512 tokens here); GPT-OSS has sinks, experts, and
+    # alternates windowed (128) and full layers
+    "llama": (transformers.LlamaConfig, {}),
+    "qwen3": (transformers.Qwen3Config, {}),
+    "mistral": (transformers.MistralConfig, {"sliding_window": 512}),
+    "gpt_oss": (
+        transformers.GptOssConfig,
+        {
+            "attn_implementation": "eager",
+            "head_dim": 32,
+            "num_local_experts": 4,
+            "num_experts_per_tok": 2,
+            "sliding_window": 128,
+            "layer_types": ["sliding_attention", "full_attention"],
+        },
+    ),
+}
+
+
 def llama(intermediate: int = 344, dtype=torch.bfloat16, family: str = "llama"):
-    """A two-layer Llama-shaped model (Qwen3: with norms on every query and key head)."""
+    """A two-layer Llama-shaped model, or one of the other :data:`FAMILIES`."""
     torch.manual_seed(0)
-    kind = transformers.Qwen3Config if family == "qwen3" else transformers.LlamaConfig
+    kind, extra = FAMILIES[family]
     config = kind(
         vocab_size=VOCAB,
         hidden_size=128,
@@ -37,7 +57,7 @@ def llama(intermediate: int = 344, dtype=torch.bfloat16, family: str = "llama"):
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=1 << 16,
-        attn_implementation="sdpa",
+        **{"attn_implementation": "sdpa", **extra},
     )
     model = transformers.AutoModelForCausalLM.from_config(config)
     return model.to(dtype)
@@ -122,6 +142,38 @@ def test_a_tiled_layers_memory_hardly_moves_when_the_mlp_doubles():
     assert untiled[1] / untiled[0] > 1.3, untiled  # what tiling removed
 
 
+@pytest.mark.parametrize("family", ["mistral", "gpt_oss"])
+def test_windows_and_sinks_need_no_s_by_s_tensor(family):
+    """Sliding windows run as blocks of queries, GPT-OSS's sinks through SDPA: the memory
+    per token does not grow with S (an S x S mask or score tensor would double it from
+    8K to 16K); a block's working set is a constant, which longer sequences amortise."""
+    per_token = [bytes_per_token(s, packed, CHUNK, family=family) for s in (8192, 16384)
+                 for packed in (False, True)]  # fmt: skip
+    assert per_token[2] <= 1.1 * per_token[0] and per_token[3] <= 1.1 * per_token[1]
+
+
+@pytest.mark.parametrize("family", ["mistral", "gpt_oss"])
+def test_tiled_training_with_windows_and_sinks_equals_the_hugging_face_model(family):
+    """Two rows in one microbatch (GPT-OSS's router scores come flattened over both),
+    MLPs in chunks of 5 tokens, windows of 4 (Mistral) or of 4 on alternate layers with
+    sinks (GPT-OSS, its sinks made nonzero): in fp32, as transformers computes it."""
+    model = build(family)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("sinks"):
+                param.normal_(generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(2))
+    batch = {"input_ids": ids, "labels": ids.clone()}
+    want, want_grads = hf_loss_and_grads(model, batch, use_cache=False)
+    config = RoundPipeRunConfig(num_microbatch=1, seq_chunk_tokens=5)
+    with roundpipe.from_hf(model, devices="emulated:2", model_run_config=config) as pipe:
+        loss = pipe.forward_backward(input_kwargs=batch)
+        pipe.synchronize()
+    torch.testing.assert_close(loss.detach(), want, rtol=1e-5, atol=1e-6)
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(param.grad, want_grads[name], rtol=1e-4, atol=1e-6)
+
+
 def test_a_right_padded_training_batch_needs_no_s_by_s_mask():
     model = llama()
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -134,15 +186,20 @@ def test_a_right_padded_training_batch_needs_no_s_by_s_mask():
     assert (peak - 3 * weights) / 8192 <= 1.05 * causal  # an S x S mask: +8 KB a token
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3"])
-def test_the_predicted_law_matches_the_emulated_device(family):
+@pytest.mark.parametrize(
+    ("family", "packed"), [("llama", True), ("qwen3", True), ("gpt_oss", False)]
+)
+def test_the_predicted_law_matches_the_emulated_device(family, packed):
     """The bytes the predictor charges a tiled layer (roundpipe.predict) against what the
-    emulated device measured for the same shapes."""
+    emulated device measured for the same shapes (GPT-OSS unpacked: its sinks' path is
+    costliest over one long example)."""
     spec = ModelSpec.from_config(llama(family=family).config)
     for tokens in (8192, 16384):
-        measured = bytes_per_token(tokens, True, CHUNK, family=family) * tokens
+        measured = bytes_per_token(tokens, packed, CHUNK, family=family) * tokens
         predicted = tiled_layer_bytes(spec, tokens, CHUNK)
-        assert predicted == pytest.approx(measured, rel=0.15), (tokens, predicted, measured)
+        # never under (a run it admits must fit), at most a fifth over (one chunk's
+        # working set is counted beside the per-token peak, an upper bound)
+        assert 0.95 * measured <= predicted <= 1.2 * measured, (tokens, predicted, measured)
 
 
 def test_a_sequence_too_long_untiled_trains_tiled_in_the_same_capacity():

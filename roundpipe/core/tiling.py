@@ -20,6 +20,10 @@ TILED_LOSS_LOGITS = 2**26
 """With sequence tiling, the most logits one chunk of a ``from_hf`` model's loss
 computes at once (about 1.3 GB in its backward: 512 tokens of a 128K vocabulary)."""
 
+SINK_DIMS = 8
+"""Extra head dimensions that carry an attention sink through SDPA
+(``roundpipe.hf.attention``; a multiple of 8 keeps fused kernels)."""
+
 _CHUNK: ContextVar[int | None] = ContextVar("roundpipe_seq_chunk_tokens", default=None)
 
 

@@ -19,14 +19,9 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
 
+from .attention import segmented_attention, segments_of
 from .families import Family
-from .long_context import (
-    loss_chunk_tokens,
-    packed_segments,
-    segmented_attention,
-    tile,
-    tile_tokenwise,
-)
+from .long_context import loss_chunk_tokens, tile, tile_tokenwise
 from .router import (
     RouterLoss,
     add_router_sums,
@@ -93,12 +88,10 @@ class DecoderLayer(nn.Module):
         positions = position_ids
         if positions is None:
             positions = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
-        segments = self._segments(attention_mask, position_ids)
+        padding = None if self._padding_only_trails(attention_mask, labels) else attention_mask
+        segments = self._segments(padding, position_ids, hidden)
         if segments is None:
-            mask_from = (
-                None if self._padding_only_trails(attention_mask, labels) else attention_mask
-            )
-            mask = self._mask(hidden, mask_from, positions)
+            mask = self._mask(hidden, padding, positions)
             attention = contextlib.nullcontext()
         else:
             mask, attention = segments, segmented_attention(self.config)
@@ -115,30 +108,41 @@ class DecoderLayer(nn.Module):
         return hidden, attention_mask, position_ids, labels, router_sums
 
     def _padding_only_trails(self, attention_mask, labels) -> bool:
-        """In training (labels given), a right-padded batch under causal SDPA needs no
-        ``S x S`` padding mask: no real token attends to a later pad, so every real
-        token's output is the same, and the pads' own outputs carry no label. (Logits
-        of pads, returned without labels, keep transformers' mask.)"""
+        """In training (labels given), a right-padded batch needs no padding mask under
+        causal attention: no real token attends to a later pad, so every real token's
+        output is the same, and the pads' own outputs carry no label. (Logits of pads,
+        returned without labels, keep transformers' mask.)"""
         return (
             labels is not None
             and attention_mask is not None
             and attention_mask.dim() == 2
-            and self.mask_kind == "full_attention"
-            and self.config._attn_implementation == "sdpa"
+            and self._attention_kind() is not None
             and bool((attention_mask[:, 1:] <= attention_mask[:, :-1]).all())
         )
 
-    def _segments(self, attention_mask, position_ids):
-        """The packed examples of a batch of one sequence when SDPA can attend within
-        each alone, instead of through an ``S x S`` mask (docs/design.md#long-context)."""
-        if (
-            attention_mask is not None
-            or position_ids is None
-            or self.mask_kind != "full_attention"
-            or self.config._attn_implementation != "sdpa"
-        ):
+    def _attention_kind(self) -> str | None:
+        """``"sdpa"``, ``"sinks"`` (GPT-OSS's eager attention, which ``roundpipe.hf.
+        attention`` runs through SDPA), or ``None`` (transformers' masks as they are)."""
+        implementation = self.config._attn_implementation
+        if implementation == "sdpa":
+            return "sdpa"
+        sinks = hasattr(getattr(self.layer, "self_attn", None), "sinks")
+        return "sinks" if implementation == "eager" and sinks else None
+
+    def _segments(self, attention_mask, position_ids, hidden):
+        """The :class:`~.attention.Segments` to pass as the mask when attention can run
+        without an ``S x S`` one (docs/design.md#long-context), else ``None``."""
+        kind = self._attention_kind()
+        if kind is None or attention_mask is not None:
             return None
-        return packed_segments(position_ids)
+        window = None
+        if self.mask_kind == "sliding_attention":
+            window = getattr(self.config, "sliding_window", None)
+        segments = segments_of(position_ids, hidden.shape[1], window)
+        plain_causal = segments is not None and len(segments.bounds) == 1 and window is None
+        if plain_causal and kind == "sdpa":
+            return None  # transformers' SDPA runs it causal, without a mask
+        return segments
 
     def _mask(self, hidden, attention_mask, positions):
         from transformers.masking_utils import (

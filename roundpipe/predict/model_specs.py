@@ -36,6 +36,9 @@ class ModelSpec:
     """RMSNorm on every query and key head (Qwen3)."""
     biases: bool = False
     """Biases on every projection, attention sinks (gpt-oss)."""
+    sinks: bool = False
+    """A learned sink logit per attention head (gpt-oss): its attention runs through
+    ``roundpipe.hf.attention``'s sink path."""
 
     @classmethod
     def from_config(cls, config: Mapping | object, name: str | None = None) -> ModelSpec:
@@ -79,6 +82,7 @@ class ModelSpec:
                 window_layers=_window_layers(values),
                 qk_norm=model_type.startswith("qwen3"),
                 biases=model_type == "gpt_oss" or bool(values.get("attention_bias", False)),
+                sinks=model_type == "gpt_oss",
             )
         except KeyError as missing:
             raise ValueError(f"the model config has no {missing} entry") from None
@@ -220,6 +224,7 @@ MODEL_PRESETS: dict[str, ModelSpec] = {
             sliding_window=128,
             window_layers=12,
             biases=True,
+            sinks=True,
         ),
         ModelSpec("Qwen3-32B", 5120, 25600, 64, 64, 8, 128, 151936, qk_norm=True),
         ModelSpec(

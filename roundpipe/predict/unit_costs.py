@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..core.tiling import TILED_LOSS_LOGITS
+from ..core.tiling import SINK_DIMS, TILED_LOSS_LOGITS
 from .gpus import Gpu
 from .host_settings import DEQUANTIZED_BYTES, NF4_BYTES, nf4_bytes
 from .model_specs import ModelSpec
@@ -147,6 +147,8 @@ def tiled_layer_bytes(spec: ModelSpec, tokens: int, chunk: int) -> int:
     per_token += 2 * HALF * spec.head_dim
     if spec.qk_norm:
         per_token += HALF * (q + kv)
+    if spec.sinks:  # an example's recompute with the sink dimensions (calibrated)
+        per_token += HALF * 3 * (q + kv) * (spec.head_dim + SINK_DIMS) // spec.head_dim
     # one tiled chunk's working set, counted as if beside it (an upper bound)
     return tokens * per_token + min(tokens, chunk) * _chunk_bytes_per_token(spec)
 
