@@ -213,6 +213,8 @@ def test_a_malformed_cuda_spec_is_rejected_with_or_without_cuda(spec):
         {"prefetch_stages": "2"},
         {"weight_chunk_bytes": 1.5e6},
         {"weight_chunk_bytes": True},
+        {"seq_chunk_tokens": 4096.0},
+        {"seq_chunk_tokens": True},
         {"preserve_rng_state": "yes"},
         {"split_input": 3},
         {"split_label": "dim0"},
@@ -225,6 +227,12 @@ def test_a_run_config_field_of_the_wrong_type_is_rejected_naming_it(fields):
     (name,) = fields
     with pytest.raises(TypeError, match=name):
         RoundPipeRunConfig(**fields)
+
+
+@pytest.mark.parametrize("tokens", [0, -4096])
+def test_a_sequence_chunk_must_be_positive(tokens):
+    with pytest.raises(ValueError, match=f"seq_chunk_tokens must be positive, got {tokens}"):
+        RoundPipeRunConfig(seq_chunk_tokens=tokens)
 
 
 def test_a_run_config_given_as_a_dict_to_a_call_is_rejected(wrap, no_hang):
