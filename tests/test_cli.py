@@ -12,6 +12,8 @@ import pytest
 from roundpipe.cli import main
 from roundpipe.planning.partition import auto_plan, predict_iteration_time
 from roundpipe.planning.sim.costs import CostModel, LayerCosts
+from roundpipe.predict.gpus import gpu_preset
+from roundpipe.predict.models import PricedModel, Workload, cost_model, model_preset, roundpipe_plan
 
 SYNTHETIC = [
     "simulate",
@@ -90,11 +92,30 @@ def test_step_sync_plans_and_reports_the_isolated_iteration(capsys) -> None:
     assert steady["iteration_time"] < steady["makespan"]  # iterations overlap
 
 
-def test_step_sync_is_refused_in_model_mode(capsys) -> None:
+def test_step_sync_in_model_mode_plans_and_times_the_isolated_call(capsys) -> None:
+    """A batch of one round (32 microbatches on 8 GPUs): with synchronous steps the
+    iteration is that call from idle until the whole step is done."""
+    argv = ["simulate", "--model", "Qwen3-1.7B", "--gpu", "rtx4090", "--gpus", "8"]
+    argv += ["--batch", "32", "--seq-len", "2048", "--schedule", "roundpipe", "--json"]
+    main(argv)
+    main([*argv, "--step", "sync"])
+    steady, sync = _json_lines(capsys)
+    assert steady["step"] == "async" and sync["step"] == "sync"
+    gpu, work = gpu_preset("rtx4090"), Workload(2048, 32, step="sync")
+    model = PricedModel.build(model_preset("Qwen3-1.7B"), gpu, work, 2048)
+    costs = cost_model(model, gpu, work, 8, 32)
+    plan = roundpipe_plan(costs, gpu, 8, 32, "makespan")
+    assert f"plan {plan}," in sync["detail"] and "synchronous steps" in sync["detail"]
+    isolated = predict_iteration_time(plan, costs, 8, 32, round_size=32, objective="makespan")
+    assert sync["iteration_time"] == pytest.approx(isolated, rel=1e-9)
+    assert sync["tokens_per_s"] < steady["tokens_per_s"]  # nothing overlaps the step
+
+
+def test_step_sync_is_refused_across_nodes(capsys) -> None:
     with pytest.raises(SystemExit) as exit_info:
-        main(["simulate", "--model", "Qwen3-1.7B", "--step", "sync"])
+        main(["simulate", "--model", "Qwen3-1.7B", "--step", "sync", "--nodes", "2"])
     assert exit_info.value.code == 2
-    assert "--step sync is for the synthetic mode" in capsys.readouterr().err
+    assert "--step sync is not modelled across nodes" in capsys.readouterr().err
 
 
 def test_baseline_partition_gives_layers_per_stage_and_the_head_joins_the_last(capsys) -> None:

@@ -19,7 +19,7 @@ from roundpipe.planning.sim.roundpipe_schedule import simulate_roundpipe
 from roundpipe.predict.gpus import GIB, PCIE_BANDWIDTH, gpu_preset
 from roundpipe.predict.host_settings import LeanSettings
 from roundpipe.predict.model_specs import ModelSpec, model_preset
-from roundpipe.predict.models import Workload, _Model, cost_model, memory_fit, predict
+from roundpipe.predict.models import PricedModel, Workload, cost_model, memory_fit, predict
 from roundpipe.predict.nf4_uploads import upload_savings
 from roundpipe.predict.unit_costs import (
     MEMORY_EFFICIENCY,
@@ -93,7 +93,7 @@ def test_an_moe_pass_dequantizes_only_the_experts_it_routes_to():
 def _uploaded_bytes(work: Workload, plan, gpus: int) -> float:
     """Bytes the simulator uploads in one round of ``plan``: its upload spans' seconds at
     the link's bandwidth."""
-    model = _Model.build(model_preset("Qwen3-1.7B"), RTX4090, work, work.tokens_per_microbatch)
+    model = PricedModel.build(model_preset("Qwen3-1.7B"), RTX4090, work, work.tokens_per_microbatch)
     microbatches = work.round_microbatches(gpus)
     costs = cost_model(model, RTX4090, work, gpus, microbatches)
     result = simulate_roundpipe(plan, costs, gpus, microbatches, round_size=microbatches)

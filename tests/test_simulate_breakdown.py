@@ -17,7 +17,7 @@ from roundpipe.planning.rules import stage_footprint
 from roundpipe.predict.breakdown import HOST_BYTES_TRAINABLE, MEMORY_HEADROOM, PINNED_CACHE_BYTES
 from roundpipe.predict.gpus import GIB, gpu_preset
 from roundpipe.predict.model_specs import ModelSpec, model_preset
-from roundpipe.predict.models import Workload, _Model, cost_model, memory_fit, predict
+from roundpipe.predict.models import PricedModel, Workload, cost_model, memory_fit, predict
 
 RTX4090 = gpu_preset("rtx4090")
 TINY = {**TINY_LLAMA, "vocab_size": 1000}
@@ -92,7 +92,7 @@ def test_device_terms_sum_to_the_predicted_gpu_memory_and_hold_the_planners_foot
     prediction = _roundpipe(spec, work, gpus=4)
     device, plan = prediction.memory.device, prediction.memory.plan
     assert device.total == sum(device.terms().values()) == prediction.gpu_memory
-    model = _Model.build(spec, RTX4090, work, work.tokens_per_microbatch)
+    model = PricedModel.build(spec, RTX4090, work, work.tokens_per_microbatch)
     costs = cost_model(model, RTX4090, work, 4, work.round_microbatches(4))
     stages = [(r, False) for r in plan.forward_ranges()]
     stages += [(r, True) for r in plan.backward_ranges()]

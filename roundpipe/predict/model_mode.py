@@ -71,7 +71,7 @@ def run_model_mode(args: argparse.Namespace, schedules: tuple[str, ...]) -> int:
                 if prediction.memory.plan is None
                 else upload_savings(spec, gpu, work, args.gpus, prediction.memory.plan),
             )
-        _print_prediction(prediction, extras, source, args.json)
+        _print_prediction(prediction, extras, source, args.json, args.step)
     return 0
 
 
@@ -166,6 +166,7 @@ def _workload(args: argparse.Namespace) -> Workload:
         pcie=args.pcie,
         round_size=args.round_size,
         settings=lean_settings(args),
+        step=args.step,
     )
 
 
@@ -257,13 +258,16 @@ def _print_nodes(p: NodesPrediction, source: str, settings: LeanSettings, as_jso
     )
 
 
-def _print_prediction(p: Prediction, extras: _Extras | None, source: str, as_json: bool) -> None:
+def _print_prediction(
+    p: Prediction, extras: _Extras | None, source: str, as_json: bool, step: str
+) -> None:
     if as_json:
         row = p.to_dict()
         if p.memory is not None:
             row["host_ram"]["source"] = source
         if extras is not None:
             row.update(extras.to_dict())
+        row["step"] = step
         print(json.dumps(row))
         return
     longest = "" if p.max_seq_len is None else f"  max seq {p.max_seq_len}"

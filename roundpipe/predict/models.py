@@ -9,16 +9,16 @@ docs/design.md#prediction-assumptions.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, replace
 
 from ..core.plan import Plan, PlanError
 from ..core.tiling import DEFAULT_SEQ_CHUNK_TOKENS
 from ..planning.partition import auto_plan
 from ..planning.sim.baselines import BASELINES, simulate_baseline
-from ..planning.sim.costs import CostModel, LayerCosts
-from ..planning.sim.roundpipe_schedule import steady_iteration_time
+from ..planning.sim.costs import CostModel
+from ..planning.sim.roundpipe_schedule import isolated_iteration_time, steady_iteration_time
 from .breakdown import (
-    SHARDED_HOST_BYTES,
     Budget,
     MemoryFit,
     device_memory_terms,
@@ -26,59 +26,31 @@ from .breakdown import (
     host_ram_terms,
     stage_peaks,
 )
-from .gpus import PCIE_BANDWIDTH, Gpu
-from .host_settings import DEFAULT_SETTINGS, LeanSettings
+from .gpus import Gpu
 from .longest import Longest, MemoryAt, search
+from .model_costs import (
+    ADAM_BYTES,
+    DEFAULT_HOST_BANDWIDTH,
+    PricedModel,
+    Workload,
+    cost_model,
+    host_round_time,
+)
 from .model_specs import MODEL_PRESETS, ModelSpec, model_preset
-from .unit_costs import HALF, Kernels, UnitCost, embedding_cost, head_cost, layer_cost
 
-__all__ = ["MODEL_PRESETS", "ModelSpec", "Prediction", "Workload", "model_preset", "predict"]
-
-ROUND_PER_GPU = 4
-"""Default round (one ``forward_backward`` call): this many microbatches per GPU."""
-ADAM_BYTES = 34  # read grad, master, m, v; write master, m, v, half weights; zero grad
-GRAD_ACCUMULATE_BYTES = 10  # read the half gradient and the fp32 sum, write the sum
-DEVICE_OPTIMIZER_RATIO = SHARDED_HOST_BYTES / HALF  # baselines: master, m, v per half weight
-DEFAULT_HOST_BANDWIDTH = 200e9
-"""Host memory bytes/s for copies and the optimizer (a two-socket server's DDR4)."""
-
-
-@dataclass(frozen=True)
-class Workload:
-    """What one iteration trains on, and on which settings."""
-
-    seq_len: int
-    batch: int
-    """Sequences per iteration."""
-    microbatch_size: int = 1
-    mfu: float | None = None
-    """Matmul efficiency override (fraction of the dense tensor peak)."""
-    precision: str = "bf16"
-    lora_rank: int = 0
-    host_bandwidth: float = DEFAULT_HOST_BANDWIDTH
-    pcie: int | None = None
-    """PCIe generation (default: the GPU's)."""
-    round_size: int | None = None
-    """Microbatches per round (default ``ROUND_PER_GPU`` per GPU, at most the batch)."""
-    optimizer_shards: int = 1
-    """Hosts that each step 1/K of the masters (nodes of data parallelism)."""
-    settings: LeanSettings = DEFAULT_SETTINGS
-    """The dtypes the host keeps the optimizer's state, masters and a LoRA base in."""
-    seq_chunk_tokens: int | None = None
-    """Decoder layers' MLPs and norms tiled in chunks of this many tokens, the loss
-    chunked as ``roundpipe.hf`` does it (docs/design.md#long-context); ``None``: the
-    untiled layers and the calibrated head of the paper's measurements."""
-
-    def round_microbatches(self, num_gpus: int) -> int:
-        return min(self.num_microbatches, self.round_size or ROUND_PER_GPU * num_gpus)
-
-    @property
-    def num_microbatches(self) -> int:
-        return -(-self.batch // self.microbatch_size)
-
-    @property
-    def tokens_per_microbatch(self) -> int:
-        return self.microbatch_size * self.seq_len
+__all__ = [
+    "ADAM_BYTES",
+    "DEFAULT_HOST_BANDWIDTH",
+    "MODEL_PRESETS",
+    "ModelSpec",
+    "Prediction",
+    "PricedModel",
+    "Workload",
+    "cost_model",
+    "host_round_time",
+    "model_preset",
+    "predict",
+]
 
 
 @dataclass(frozen=True)
@@ -123,49 +95,6 @@ class Prediction:
         return row
 
 
-@dataclass(frozen=True)
-class _Model:
-    """The per-unit costs of one model, GPU and workload, and their totals."""
-
-    spec: ModelSpec
-    units: list[UnitCost]
-    trainable: int
-    frozen: int
-    quantized: int = 0
-    """Of the frozen parameters, those held and uploaded in NF4."""
-
-    @classmethod
-    def build(cls, spec: ModelSpec, gpu: Gpu, work: Workload, tokens: int) -> _Model:
-        rank, nf4 = work.lora_rank, work.settings.quantize == "nf4"
-        kernels = Kernels(gpu, work.precision, work.mfu)
-        chunk = work.seq_chunk_tokens
-        full = layer_cost(spec, kernels, tokens, work.seq_len, None, rank, nf4, chunk)
-        window = None
-        if spec.window_layers:
-            window = layer_cost(
-                spec, kernels, tokens, work.seq_len, spec.sliding_window, rank, nf4, chunk
-            )
-        # gpt-oss alternates sliding and full layers; others have all or none windowed
-        every = spec.num_layers // max(spec.window_layers, 1)
-        layers = [
-            window if window is not None and i % every == 0 else full
-            for i in range(spec.num_layers)
-        ]
-        units = [
-            embedding_cost(spec, kernels, tokens, rank > 0),
-            *layers,
-            head_cost(spec, kernels, tokens, rank > 0, chunk),
-        ]
-        trainable = spec.lora_params(rank) if rank else spec.num_params
-        frozen = spec.num_params if rank else 0
-        quantized = spec.num_layers * spec.linear_weight_params if nf4 else 0
-        return cls(spec, units, trainable, frozen, quantized)
-
-    @property
-    def upload_bytes(self) -> int:
-        return sum(u.param_bytes for u in self.units)
-
-
 def predict(
     spec: ModelSpec,
     gpu: Gpu,
@@ -176,7 +105,7 @@ def predict(
 ) -> list[Prediction]:
     """Tokens/s, memory and fit of each schedule for this model, box and workload
     (RoundPipe without a plan that fits the GPUs: 0 tokens/s, the reason as detail)."""
-    model = _Model.build(spec, gpu, work, work.tokens_per_microbatch)
+    model = PricedModel.build(spec, gpu, work, work.tokens_per_microbatch)
     sim_microbatches = work.round_microbatches(num_gpus)
     costs = cost_model(model, gpu, work, num_gpus, sim_microbatches)
     return [
@@ -188,7 +117,12 @@ def predict(
 
 
 def _roundpipe(
-    model: _Model, costs: CostModel, gpu: Gpu, work: Workload, num_gpus: int, host_ram: int | None
+    model: PricedModel,
+    costs: CostModel,
+    gpu: Gpu,
+    work: Workload,
+    num_gpus: int,
+    host_ram: int | None,
 ) -> Prediction:
     memory = _memory_fit(model, costs, gpu, work, num_gpus, host_ram)
     longest = max_seq_len(model.spec, gpu, work).max_seq_len
@@ -197,11 +131,11 @@ def _roundpipe(
             memory, tokens_per_s=0.0, iteration_time=0.0, detail=memory.no_plan, max_seq_len=longest
         )
     sim_microbatches = work.round_microbatches(num_gpus)
-    sim_time = steady_iteration_time(
-        memory.plan, costs, num_gpus, sim_microbatches, round_size=sim_microbatches
-    )
+    sim_time = _round_time(memory.plan, costs, work, num_gpus, sim_microbatches)
     host_time = host_round_time(model, work, num_gpus, sim_microbatches)
     detail = f"plan {memory.plan}, rounds of {sim_microbatches} microbatches"
+    if work.step == "sync":
+        detail += ", synchronous steps (each batch's last round stands alone)"
     if host_time > sim_time:
         detail += f", host-memory bound ({sim_time:.2f} s simulated, {host_time:.2f} s host)"
         sim_time = host_time
@@ -213,6 +147,30 @@ def _roundpipe(
         detail=detail,
         max_seq_len=longest,
     )
+
+
+def _round_time(
+    plan: Plan, costs: CostModel, work: Workload, num_gpus: int, sim_microbatches: int
+) -> float:
+    """Seconds per round of ``sim_microbatches``. Asynchronous steps: the steady state.
+    Synchronous: the rounds of a batch but its last overlap as in the steady state
+    without a step; the last one stands alone, until the batch's whole step is done."""
+    steady = functools.partial(
+        steady_iteration_time, plan, num_devices=num_gpus, num_microbatches=sim_microbatches
+    )
+    if work.step != "sync":
+        return steady(costs, round_size=sim_microbatches)
+    rounds = work.num_microbatches / sim_microbatches
+    whole_step = costs.optimizer_time * rounds
+    overlapped = steady(replace(costs, optimizer_time=0.0), round_size=sim_microbatches)
+    last = isolated_iteration_time(
+        plan,
+        replace(costs, optimizer_time=whole_step),
+        num_gpus,
+        sim_microbatches,
+        round_size=sim_microbatches,
+    )
+    return ((rounds - 1) * overlapped + last) / rounds
 
 
 def _baseline(name: str, costs: CostModel, gpu: Gpu, work: Workload, num_gpus: int) -> Prediction:
@@ -243,13 +201,13 @@ def memory_fit(
 ) -> MemoryFit:
     """RoundPipe's memory and whether it fits, without timing the iteration (what
     :func:`predict` answers for its ``"roundpipe"`` row, at the cost of a plan only)."""
-    model = _Model.build(spec, gpu, work, work.tokens_per_microbatch)
+    model = PricedModel.build(spec, gpu, work, work.tokens_per_microbatch)
     costs = cost_model(model, gpu, work, num_gpus, work.round_microbatches(num_gpus))
     return _memory_fit(model, costs, gpu, work, num_gpus, host_ram)
 
 
 def _memory_fit(
-    model: _Model,
+    model: PricedModel,
     costs: CostModel,
     gpu: Gpu,
     work: Workload,
@@ -258,8 +216,10 @@ def _memory_fit(
 ) -> MemoryFit:
     """The automatic plan's memory, or the finest plan's when none fits the GPUs."""
     round_microbatches = work.round_microbatches(num_gpus)
+    objective = "makespan" if work.step == "sync" else "steady"
     try:
-        plan, no_plan = roundpipe_plan(costs, gpu, num_gpus, round_microbatches), ""
+        plan = roundpipe_plan(costs, gpu, num_gpus, round_microbatches, objective)
+        no_plan = ""
         terms_plan = plan
     except PlanError as error:
         plan, no_plan = None, str(error)
@@ -284,8 +244,11 @@ def _memory_fit(
     )
 
 
-def roundpipe_plan(costs: CostModel, gpu: Gpu, num_gpus: int, sim_microbatches: int) -> Plan:
-    """The automatic plan, unrefined, for rounds of ``sim_microbatches``."""
+def roundpipe_plan(
+    costs: CostModel, gpu: Gpu, num_gpus: int, sim_microbatches: int, objective: str = "steady"
+) -> Plan:
+    """The automatic plan, unrefined, for rounds of ``sim_microbatches`` (``objective``:
+    ``"makespan"`` for synchronous steps, :func:`roundpipe.planning.partition.auto_plan`)."""
     budget = Budget(gpu.memory_bytes).available
     return auto_plan(
         costs,
@@ -294,46 +257,8 @@ def roundpipe_plan(costs: CostModel, gpu: Gpu, num_gpus: int, sim_microbatches: 
         [budget] * num_gpus,
         round_size=sim_microbatches,
         refine=False,
+        objective=objective,
     )
-
-
-def cost_model(
-    model: _Model, gpu: Gpu, work: Workload, num_gpus: int, sim_microbatches: int
-) -> CostModel:
-    """The simulator's costs of one round of ``sim_microbatches`` of the workload."""
-    units = model.units
-    boundary = work.tokens_per_microbatch * model.spec.hidden_size * HALF
-    upload = model.upload_bytes
-    grads = model.trainable * HALF
-    pcie = PCIE_BANDWIDTH[work.pcie] if work.pcie else gpu.pcie_bandwidth
-    layers = LayerCosts(
-        forward=tuple(u.forward for u in units),
-        backward=tuple(u.backward for u in units),
-        param_bytes=tuple(u.param_bytes for u in units),
-        activation_bytes=tuple(u.activation_bytes for u in units),
-        boundary_bytes=boundary,
-    )
-    # the step streams its bytes at the host's bandwidth, once per whole batch
-    step = model.trainable * ADAM_BYTES / work.host_bandwidth / work.optimizer_shards
-    return CostModel(
-        layers=layers,
-        comm=2 * boundary / pcie,
-        h2d_bandwidth=pcie,
-        d2h_bandwidth=pcie,
-        optimizer_time=step * sim_microbatches / work.num_microbatches,
-        grad_bytes_ratio=grads / upload,
-        device_optimizer_ratio=DEVICE_OPTIMIZER_RATIO * grads / upload,
-    )
-
-
-def host_round_time(model: _Model, work: Workload, num_gpus: int, round_size: int) -> float:
-    """Seconds the host memory needs per round for every copy and its share of the step."""
-    boundary = work.tokens_per_microbatch * model.spec.hidden_size * HALF
-    hops = round_size * 2 * (2 * num_gpus) * boundary  # both ways, forward and backward
-    weights = 2 * model.upload_bytes + model.trainable * (HALF + GRAD_ACCUMULATE_BYTES)
-    step = model.trainable * ADAM_BYTES * round_size / work.num_microbatches
-    step /= work.optimizer_shards
-    return (hops + weights + step) / work.host_bandwidth
 
 
 def max_seq_len(
@@ -368,7 +293,7 @@ def memory_at(
     at = replace(
         work, seq_len=seq_len, batch=1, microbatch_size=1, seq_chunk_tokens=seq_chunk_tokens
     )
-    model = _Model.build(spec, gpu, at, seq_len)
+    model = PricedModel.build(spec, gpu, at, seq_len)
     costs = cost_model(model, gpu, at, 1, 1)
     plan = finest_plan(len(model.units))
     stage, device = max(stage_peaks(costs, plan), key=lambda peak: peak[1].total)

@@ -16,7 +16,15 @@ from ..core.plan import PlanError
 from ..planning.sim.roundpipe_schedule import simulate_roundpipe
 from .gpus import Gpu
 from .model_specs import ModelSpec
-from .models import ADAM_BYTES, Prediction, Workload, _Model, cost_model, predict, roundpipe_plan
+from .models import (
+    ADAM_BYTES,
+    Prediction,
+    PricedModel,
+    Workload,
+    cost_model,
+    predict,
+    roundpipe_plan,
+)
 from .unit_costs import HALF
 
 BUCKET_BYTES = 25 * 2**20
@@ -106,7 +114,7 @@ def predict_nodes(
     if node.memory is not None and node.memory.plan is None:
         raise PlanError(node.detail)  # nothing to time: the nodes' figures need a plan
     compute = node.iteration_time
-    model = _Model.build(spec, gpu, local, local.tokens_per_microbatch)
+    model = PricedModel.build(spec, gpu, local, local.tokens_per_microbatch)
     share = (k - 1) / k
     grad_bytes = GRAD_BYTES[network.grad_reduce_dtype]
     reduce_bytes = int(share * model.trainable * grad_bytes)
@@ -173,7 +181,7 @@ def _collective_time(total_bytes: float, share: float, network: Network) -> floa
 
 
 def _reduce_tail(
-    model: _Model, gpu: Gpu, work: Workload, num_gpus: int, reduce_time: float, grad_bytes: int
+    model: PricedModel, gpu: Gpu, work: Workload, num_gpus: int, reduce_time: float, grad_bytes: int
 ) -> float:
     """Seconds the reduce-scatter runs past the iteration's last gradient download, each
     backward stage's share starting once the simulator has downloaded its gradients."""
@@ -195,7 +203,7 @@ def _reduce_tail(
     return max(0.0, link_free - end)
 
 
-def _trained_share(model: _Model) -> list[float]:
+def _trained_share(model: PricedModel) -> list[float]:
     """Each unit's fraction of the trained parameters: by weight bytes, or the layers'
     adapters alike under LoRA (embedding and head frozen)."""
     if model.frozen:

@@ -21,7 +21,7 @@ from ..planning.sim.costs import CostModel
 from .breakdown import Budget
 from .gpus import gpu_preset
 from .model_specs import model_preset
-from .models import Workload, _Model, cost_model
+from .models import PricedModel, Workload, cost_model
 
 PAPER_RUNS = (("Qwen3-1.7B", 512), ("Llama-3.1-8B", 256), ("gpt-oss-20b", 128), ("Qwen3-32B", 128))
 """Model and global batch (sequences) of the paper's dense runs."""
@@ -63,7 +63,7 @@ def paper_cases() -> list[PlanningCase]:
     cases = []
     for name, batch in PAPER_RUNS:
         work = Workload(seq_len=2048, batch=batch, precision="fp16-acc16")
-        model = _Model.build(model_preset(name), gpu, work, work.tokens_per_microbatch)
+        model = PricedModel.build(model_preset(name), gpu, work, work.tokens_per_microbatch)
         micro = work.round_microbatches(NUM_GPUS)
         costs = cost_model(model, gpu, work, NUM_GPUS, micro)
         cases.append(PlanningCase(name, costs, NUM_GPUS, micro, (budget,) * NUM_GPUS))

@@ -257,10 +257,10 @@ def _validate(args: argparse.Namespace) -> None:
         raise ValueError(f"--mfu is a fraction of peak FLOP/s in (0, 1], got {args.mfu}")
     if args.model and args.config:
         raise ValueError("give --model or --config, not both")
-    if args.step != "async" and (args.model or args.config):
+    if args.step != "async" and (args.nodes is not None or args.scaling):
         raise ValueError(
-            "--step sync is for the synthetic mode; model-level predictions are of "
-            "asynchronous steps (the paper's)"
+            "--step sync is not modelled across nodes (--nodes, --scaling): their "
+            "predictions are of asynchronous steps"
         )
     lean_settings(args).check(args.precision, args.lora or 0)
     if args.gantt:
