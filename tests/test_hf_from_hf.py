@@ -85,6 +85,18 @@ def hf_loss_and_grads(model, batch, **kwargs):
     return loss.detach(), {n: p.grad for n, p in reference.named_parameters()}
 
 
+def assert_trains_as_hf(model, batch, config, devices: str = "emulated:2") -> None:
+    """One ``forward_backward`` of ``batch`` through ``from_hf(model)`` gives the loss
+    and gradients of the Hugging Face model itself (fp32 tolerances)."""
+    want, want_grads = hf_loss_and_grads(model, batch, use_cache=False)
+    with roundpipe.from_hf(model, devices=devices, model_run_config=config) as pipe:
+        loss = pipe.forward_backward(input_kwargs=batch)
+        pipe.synchronize()
+    torch.testing.assert_close(loss.detach(), want, rtol=1e-5, atol=1e-6)
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(param.grad, want_grads[name], rtol=1e-4, atol=1e-6)
+
+
 def train_both(pipe, reference, batches, lr=1e-3, rtol=1e-5, atol=1e-6, scaler=None):
     """Synchronous AdamW steps on the pipe (through ``scaler`` if given) and on the
     reference; losses compared."""

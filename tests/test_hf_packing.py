@@ -12,7 +12,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-from test_hf_from_hf import VOCAB, build, hf_loss_and_grads  # noqa: E402
+from test_hf_from_hf import VOCAB, assert_trains_as_hf, build  # noqa: E402
 
 import roundpipe  # noqa: E402
 from roundpipe import RoundPipeRunConfig  # noqa: E402
@@ -39,18 +39,10 @@ def packed_batch(seed: int = 0):
 def test_packed_batches_equal_the_hugging_face_model(family, chunk):
     """Tiled (docs/design.md#long-context): MLPs and norms in chunks of 5 tokens, and
     microbatches of one row, whose examples attend through SDPA one by one."""
-    model = build(family)
-    batch = packed_batch()
-    # Without use_cache=False the model builds a KV cache even in training, and
-    # transformers then ignores packing (attention crosses the examples).
-    want, want_grads = hf_loss_and_grads(model, batch, use_cache=False)
+    # (assert_trains_as_hf passes use_cache=False: with a KV cache, transformers ignores
+    # packing even in training, and attention crosses the examples)
     config = RoundPipeRunConfig(num_microbatch=2 if chunk is None else 3, seq_chunk_tokens=chunk)
-    with roundpipe.from_hf(model, devices="emulated:2", model_run_config=config) as pipe:
-        loss = pipe.forward_backward(input_kwargs=batch)
-        pipe.synchronize()
-    torch.testing.assert_close(loss.detach(), want, rtol=1e-5, atol=1e-6)
-    for name, param in model.named_parameters():
-        torch.testing.assert_close(param.grad, want_grads[name], rtol=1e-4, atol=1e-6)
+    assert_trains_as_hf(build(family), packed_batch(), config)
 
 
 # GPT-OSS: transformers 5.24's own model does not pass position_ids to its mask

@@ -13,7 +13,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from test_hf_from_hf import build, hf_loss_and_grads  # noqa: E402
+from test_hf_from_hf import assert_trains_as_hf, build, hf_loss_and_grads  # noqa: E402
 
 import roundpipe  # noqa: E402
 from roundpipe import EmulatedOptions, RoundPipeRunConfig  # noqa: E402
@@ -163,15 +163,8 @@ def test_tiled_training_with_windows_and_sinks_equals_the_hugging_face_model(fam
             if name.endswith("sinks"):
                 param.normal_(generator=torch.Generator().manual_seed(1))
     ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(2))
-    batch = {"input_ids": ids, "labels": ids.clone()}
-    want, want_grads = hf_loss_and_grads(model, batch, use_cache=False)
     config = RoundPipeRunConfig(num_microbatch=1, seq_chunk_tokens=5)
-    with roundpipe.from_hf(model, devices="emulated:2", model_run_config=config) as pipe:
-        loss = pipe.forward_backward(input_kwargs=batch)
-        pipe.synchronize()
-    torch.testing.assert_close(loss.detach(), want, rtol=1e-5, atol=1e-6)
-    for name, param in model.named_parameters():
-        torch.testing.assert_close(param.grad, want_grads[name], rtol=1e-4, atol=1e-6)
+    assert_trains_as_hf(model, {"input_ids": ids, "labels": ids.clone()}, config)
 
 
 def test_a_right_padded_training_batch_needs_no_s_by_s_mask():
