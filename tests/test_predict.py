@@ -223,3 +223,20 @@ def test_gantt_without_matplotlib_names_the_extra(monkeypatch, capsys, tmp_path)
         main(["simulate", "--layers", "4", "--gantt", str(tmp_path / "g.png")])
     assert exit_info.value.code == 2
     assert "pip install 'roundpipe-ft[plot]'" in capsys.readouterr().err
+
+
+def test_tiled_layers_pay_their_recomputes_in_the_backward() -> None:
+    """Tiled, the MLP's forward runs once more per chunk; with sinks or a window the
+    attention's pieces are recomputed too (roundpipe.hf.attention)."""
+    kernels = Kernels(RTX4090, "bf16")
+    for name, attention_recomputed in (("Llama-3.1-8B", False), ("gpt-oss-20b", True)):
+        spec = model_preset(name)
+        plain = layer_cost(spec, kernels, 65536, 65536, None, 0)
+        tiled = layer_cost(spec, kernels, 65536, 65536, None, 0, seq_chunk=4096)
+        width = spec.intermediate_size or spec.experts_per_token * spec.moe_intermediate_size
+        extra = 65536 * 6 * spec.hidden_size * width / kernels.matmul_speed
+        if attention_recomputed:
+            attention = 4 * 65536 * (65536 + 1) / 2 * spec.q_width
+            extra += attention / kernels.attention_speed
+        assert tiled.forward == plain.forward
+        assert tiled.backward - plain.backward == pytest.approx(extra, rel=1e-9)

@@ -123,6 +123,8 @@ def layer_cost(
     if seq_chunk is not None:
         activations = tiled_layer_bytes(spec, tokens, seq_chunk)
         backward += tokens * _mlp_forward_flops(spec) / kernels.matmul_speed
+        if spec.sinks or window is not None:  # attention in pieces, recomputed too
+            backward += attention / kernels.attention_speed
     return UnitCost(
         forward,
         backward,
