@@ -10,9 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-pytest.importorskip("transformers")
+transformers = pytest.importorskip("transformers")
 
-from test_hf_from_hf import VOCAB, assert_trains_as_hf, build  # noqa: E402
+from test_hf_from_hf import COMMON, VOCAB, assert_trains_as_hf, build  # noqa: E402
 
 import roundpipe  # noqa: E402
 from roundpipe import RoundPipeRunConfig  # noqa: E402
@@ -83,3 +83,24 @@ def test_bad_position_ids_are_refused(change, message):
     pipe = roundpipe.from_hf(build("llama"), devices="emulated:1")
     with pipe, pytest.raises(ValueError, match=message):
         pipe.forward_backward(input_kwargs=batch)
+
+
+def test_packed_training_with_attention_dropout_keeps_transformers_masks():
+    """The per-example SDPA pieces draw no dropout: with ``attention_dropout`` in
+    training the layers keep transformers' masks (and train); in eval they use the
+    pieces again, and the examples still see only themselves."""
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**COMMON, attention_dropout=0.1))
+    batch = packed_batch()
+    config = RoundPipeRunConfig(num_microbatch=3)
+    with roundpipe.from_hf(model, devices="emulated:2", model_run_config=config) as pipe:
+        pipe.train()
+        loss = pipe.forward_backward(input_kwargs=batch)
+        assert torch.isfinite(loss)
+        pipe.eval()
+        with torch.no_grad():
+            packed = pipe(input_ids=batch["input_ids"], position_ids=batch["position_ids"])
+    model.eval()
+    with torch.no_grad():
+        alone = model(input_ids=batch["input_ids"][:1, :4]).logits[0]
+    torch.testing.assert_close(packed[0, :4], alone, rtol=1e-4, atol=1e-5)

@@ -90,10 +90,12 @@ def attention(module, query, key, value, attention_mask, scaling=None, dropout=0
     out. A :class:`Segments` mask runs piece by piece; anything else goes to the model's
     own implementation (SDPA, or GPT-OSS's eager one)."""
     sinks = kwargs.get("s_aux")
-    if not isinstance(attention_mask, Segments) or dropout:
+    if not isinstance(attention_mask, Segments):
         return _fallback(module, sinks)(
             module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
         )
+    if dropout:  # DecoderLayer passes no Segments under attention dropout
+        raise ValueError("attention dropout is not drawn by roundpipe's segmented attention")
     scale = query.shape[-1] ** -0.5 if scaling is None else scaling
     shape = _Shape(query.shape[1] // key.shape[1], scale, attention_mask.window)
     extra = () if sinks is None else (sinks,)

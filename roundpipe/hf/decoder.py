@@ -133,8 +133,9 @@ class DecoderLayer(nn.Module):
         """The :class:`~.attention.Segments` to pass as the mask when attention can run
         without an ``S x S`` one (docs/design.md#long-context), else ``None``."""
         kind = self._attention_kind()
-        if kind is None or attention_mask is not None:
-            return None
+        dropout = self.training and getattr(self.config, "attention_dropout", 0.0)
+        if kind is None or attention_mask is not None or dropout:
+            return None  # transformers' own masks (the pieces draw no dropout)
         window = None
         if self.mask_kind == "sliding_attention":
             window = getattr(self.config, "sliding_window", None)
