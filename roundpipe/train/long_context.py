@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from ..core.plan import Plan
 from ..core.tiling import DEFAULT_SEQ_CHUNK_TOKENS
+from ..predict.breakdown import finest_plan
 from ..predict.gpus import gpu_preset
 from ..predict.host_settings import LeanSettings
 from ..predict.model_specs import ModelSpec
@@ -38,10 +38,13 @@ class SequenceSetting:
     """How a run's layers meet its sequences."""
 
     seq_chunk_tokens: int | None = None
-    recompute_grain: str = "stage"
     finest: bool = False
-    """One unit per stage (the plan the predictions are of) instead of the automatic
-    plan."""
+    """One unit per stage (the plan the predictions are of) and every layer's input
+    saved, instead of the automatic plan and the stage grain."""
+
+    @property
+    def recompute_grain(self) -> str:
+        return "layer" if self.finest else "stage"
 
 
 def sequence_setting(
@@ -63,18 +66,18 @@ def sequence_setting(
         return SequenceSetting()
     # the predictions are for 16-bit weights and activations: fp32 needs twice the bytes
     tokens = rows * seq_len * _PRECISION_BYTES.get(precision or "bf16", 2) // 2
-    smallest = min(c for c in capacities if c is not None)
+    smallest = min(capacities)
     gpu = replace(gpu_preset("rtx4090"), name="the smallest device", memory_bytes=smallest)
     work = Workload(seq_len, 1, lora_rank=lora_rank, settings=settings or LeanSettings())
     untiled = max_seq_len(spec, gpu, work, seq_chunk_tokens=None)
     if tokens <= AUTO_PLAN_SHARE * untiled.max_seq_len:
         return SequenceSetting()
     if tokens <= untiled.max_seq_len:
-        return SequenceSetting(None, "layer", finest=True)
+        return SequenceSetting(None, finest=True)
     for chunk in CHUNKS:  # the largest chunk that fits: the fewest recomputed pieces
         tiled = max_seq_len(spec, gpu, work, seq_chunk_tokens=chunk)
         if tokens <= tiled.max_seq_len:
-            return SequenceSetting(chunk, "layer", finest=True)
+            return SequenceSetting(chunk, finest=True)
     rows_text = f"{rows} sequences of {seq_len} tokens" if rows > 1 else f"{seq_len} tokens"
     raise UsageError(
         f"a microbatch of {rows_text} does not fit the smallest device "
@@ -95,11 +98,10 @@ def fit_sequences(pipe, options: TrainOptions, ranks: Ranks) -> None:
         pipe.close()
         raise
     if setting.finest:
-        units = pipe.num_layers
         pipe.run_config = pipe.run_config.replace(
             seq_chunk_tokens=setting.seq_chunk_tokens,
             recompute_grain=setting.recompute_grain,
-            execute_plan=Plan((1,) * (units - 1), (1,) * units),
+            execute_plan=finest_plan(pipe.num_layers),
         )
 
 
