@@ -72,6 +72,12 @@ def _best_candidate(search: Search) -> Plan:
     return best
 
 
+def step_objective(is_async: bool) -> str:
+    """What plans for steps of this mode minimise: asynchronous steps overlap
+    iterations (``"steady"``); a synchronous one makes each stand alone (``"makespan"``)."""
+    return "steady" if is_async else "makespan"
+
+
 def predict_iteration_time(
     plan: Plan,
     costs: LayerCosts | CostModel,

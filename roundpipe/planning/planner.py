@@ -31,7 +31,7 @@ import threading
 from collections.abc import Callable, Sequence
 
 from ..core.plan import Plan
-from .partition import auto_plan, fits, predict_iteration_time, should_replan
+from .partition import auto_plan, fits, predict_iteration_time, should_replan, step_objective
 from .sim.costs import CostModel
 
 MIN_GAIN = 0.05
@@ -70,7 +70,7 @@ class AutoPlanner:
     def saw_step(self, is_async: bool) -> None:
         """A step was queued: later calls are planned for its mode (a change of mode
         re-plans at the next call, on the caller's thread)."""
-        self.objective = "steady" if is_async else "makespan"
+        self.objective = step_objective(is_async)
 
     def current(
         self, num_devices: int, num_microbatches: int, weight_chunk_bytes: int | None

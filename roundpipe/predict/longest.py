@@ -9,6 +9,7 @@ first and, on the GPU, in which unit.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -76,6 +77,7 @@ class Longest:
 def search(measure: Callable[[int], MemoryAt], gpu_budget: int, host_budget: int | None) -> Longest:
     """The longest length, a multiple of ``GRANULARITY``, whose :class:`MemoryAt` fits
     ``gpu_budget`` and (when known) ``host_budget``."""
+    measure = functools.cache(measure)  # the bisection and the answer ask again
 
     def failure(at: MemoryAt) -> str | None:
         if at.device.total > gpu_budget:

@@ -14,8 +14,6 @@ from .host_settings import DEFAULT_SETTINGS, LeanSettings
 from .model_specs import ModelSpec
 from .unit_costs import HALF, Kernels, UnitCost, embedding_cost, head_cost, layer_cost
 
-STEP_MODES = ("async", "sync")
-
 ROUND_PER_GPU = 4
 """Default round (one ``forward_backward`` call): this many microbatches per GPU."""
 ADAM_BYTES = 34  # read grad, master, m, v; write master, m, v, half weights; zero grad

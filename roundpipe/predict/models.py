@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 
 from ..core.plan import Plan, PlanError
 from ..core.tiling import DEFAULT_SEQ_CHUNK_TOKENS
-from ..planning.partition import auto_plan
+from ..planning.partition import auto_plan, step_objective
 from ..planning.sim.baselines import BASELINES, simulate_baseline
 from ..planning.sim.costs import CostModel
 from ..planning.sim.roundpipe_schedule import isolated_iteration_time, steady_iteration_time
@@ -216,7 +216,7 @@ def _memory_fit(
 ) -> MemoryFit:
     """The automatic plan's memory, or the finest plan's when none fits the GPUs."""
     round_microbatches = work.round_microbatches(num_gpus)
-    objective = "makespan" if work.step == "sync" else "steady"
+    objective = step_objective(work.step != "sync")
     try:
         plan = roundpipe_plan(costs, gpu, num_gpus, round_microbatches, objective)
         no_plan = ""

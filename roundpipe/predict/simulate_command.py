@@ -13,7 +13,7 @@ from typing import Any
 
 from ..core.plan import Plan, PlanError
 from ..errors import install_hint
-from ..planning.partition import auto_plan
+from ..planning.partition import auto_plan, step_objective
 from ..planning.sim.baselines import BASELINES, simulate_baseline
 from ..planning.sim.costs import CostModel, LayerCosts
 from ..planning.sim.result import SimResult
@@ -27,8 +27,6 @@ from .nodes import GRAD_BYTES
 
 SCHEDULES = ("roundpipe", *BASELINES)
 STEPS = ("async", "sync")
-OBJECTIVES = {"async": "steady", "sync": "makespan"}
-"""What the automatic plan minimises for each step mode (docs/design.md#partitioner)."""
 _MS = 1e-3
 
 DESCRIPTION = """\
@@ -193,7 +191,7 @@ def _run_schedule(name: str, costs: CostModel, args, microbatches: int) -> SimRe
                 args.gpus,
                 microbatches,
                 round_size=args.round_size,
-                objective=OBJECTIVES[args.step],
+                objective=step_objective(args.step == "async"),
             )
         result = simulate_roundpipe(
             plan,
