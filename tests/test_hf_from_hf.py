@@ -248,10 +248,10 @@ def test_the_router_auxiliary_loss_is_weighted_by_label_tokens(family, microbatc
         torch.testing.assert_close(param.grad, ref.grad, rtol=1e-4, atol=1e-6, msg=name)
 
 
-def test_an_unsupported_model_names_the_supported_families():
-    config = transformers.GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=VOCAB)
-    with pytest.raises(ValueError, match=r"Llama \(llama\).*Qwen3 \(qwen3\)"):
-        roundpipe.from_hf(transformers.GPT2LMHeadModel(config), devices="emulated:1")
+def test_an_encoder_decoder_model_is_refused_by_its_model_type():
+    config = transformers.T5Config(d_model=32, num_layers=1, num_heads=2, d_kv=16, d_ff=64)
+    with pytest.raises(ValueError, match=r"model_type 't5' is an encoder-decoder model"):
+        roundpipe.from_hf(transformers.T5ForConditionalGeneration(config), devices="emulated:1")
 
 
 def test_save_pretrained_writes_what_transformers_loads(tmp_path):

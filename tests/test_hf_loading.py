@@ -234,10 +234,10 @@ def test_a_missing_shard_is_named(tmp_path):
 
 
 def test_an_unsupported_model_is_refused_before_its_weights_are_read(tmp_path):
-    config = transformers.GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=VOCAB)
-    transformers.GPT2LMHeadModel(config).save_pretrained(tmp_path)
+    config = transformers.T5Config(d_model=32, num_layers=1, num_heads=2, d_kv=16, d_ff=64)
+    transformers.T5ForConditionalGeneration(config).save_pretrained(tmp_path)
     (tmp_path / "model.safetensors").write_bytes(b"not read")
-    with pytest.raises(ValueError, match=r"Llama \(llama\)"):
+    with pytest.raises(ValueError, match=r"model_type 't5' is an encoder-decoder model"):
         roundpipe.from_pretrained(tmp_path, devices="emulated:1")
 
 

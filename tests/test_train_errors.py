@@ -19,8 +19,8 @@ pytest.importorskip("yaml")
 
 from support.train_bad_models import (  # noqa: E402
     bert_dir,
-    gpt2_dir,
     mxfp4_gpt_oss_dir,
+    t5_dir,
     truncated_copy,
 )
 from support.train_cli import COMMON, run_train  # noqa: E402
@@ -52,7 +52,7 @@ def broken(train_files) -> dict[str, Path]:
     unknown_key = root / "unknown.yaml"
     unknown_key.write_text("lora-rank: 8\n")
     return {"no_tokenizer": no_tokenizer, "no_weights": no_weights, "bin_only": bin_only,
-            "bad_data": bad_data, "unknown_key": unknown_key, "gpt2": gpt2_dir(root / "gpt2"),
+            "bad_data": bad_data, "unknown_key": unknown_key, "t5": t5_dir(root / "t5"),
             "bert": bert_dir(root / "bert"), "mxfp4": mxfp4_gpt_oss_dir(root / "mxfp4"),
             "truncated": truncated_copy(train_files["model"], root / "truncated")}  # fmt: skip
 
@@ -76,8 +76,8 @@ ERRORS = {  # options changed or added to a good command line, and the message e
     "too many microbatches": ({"--microbatches": "9"}, "--microbatches 9 exceeds"),
     "bad devices": ({"--devices": "tpu:3"}, "--devices 'tpu:3'"),
     "unknown yaml key": ({"--config": "{unknown_key}"}, "unknown option 'lora-rank'"),
-    "GPT-2": ({"--model": "{gpt2}"}, "model_type 'gpt2' is not a family roundpipe trains"),
-    "BERT": ({"--model": "{bert}"}, "model_type 'bert' is not a family roundpipe trains"),
+    "T5": ({"--model": "{t5}"}, "model_type 't5' is an encoder-decoder model"),
+    "BERT": ({"--model": "{bert}"}, "model_type 'bert': no list of decoder layers"),
     "lora targets naming no module": ({"--lora-targets": "qproj"}, "'qproj' names no module"),
     "a lora target naming no module": ({"--lora-targets": "q_proj,v_prj"}, "'v_prj' names no"),
     "truncated weights": ({"--model": "{truncated}"}, "model.safetensors is truncated"),

@@ -1,6 +1,7 @@
 """Hugging Face integration: ``roundpipe.from_hf`` and ``roundpipe.from_pretrained``
 (free functions over the user's model; ``transformers`` is imported lazily)."""
 
-from .families import FAMILIES, Family, family_of
+from .families import FAMILIES, Family, own_adapter
+from .replay import UnsupportedModel
 
-__all__ = ["FAMILIES", "Family", "family_of"]
+__all__ = ["FAMILIES", "Family", "UnsupportedModel", "own_adapter"]

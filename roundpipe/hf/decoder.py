@@ -1,6 +1,8 @@
 """A Hugging Face decoder-only causal LM cut into RoundPipe layers.
 
-One generic adapter serves every supported family: an embedding layer, one layer per
+``model_layers`` chooses the path: this adapter for the families it knows
+(:mod:`.families`), the general path (:mod:`.replay`) for every other model. The
+adapter: an embedding layer, one layer per
 decoder layer and a head (final norm, LM head, chunked loss), holding the model's own
 modules. Between stages travels ``(hidden, attention_mask, position_ids, labels,
 router_sums)``; each decoder layer rebuilds its positions, rotary tables and mask on
@@ -20,8 +22,9 @@ from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
 
 from .attention import segmented_attention, segments_of
-from .families import Family
+from .families import Family, own_adapter
 from .long_context import loss_chunk_tokens, tile, tile_tokenwise
+from .replay import find_structure, replayed_layers
 from .router import (
     RouterLoss,
     add_router_sums,
@@ -238,3 +241,15 @@ def decoder_layers(
     head = model.get_output_embeddings()
     layers.append(HeadLayer(inner.norm, head, chunk_tokens, router_loss))
     return nn.Sequential(*layers)
+
+
+def model_layers(model: nn.Module, chunk_tokens: int = LOSS_CHUNK_TOKENS) -> nn.Sequential:
+    """``model`` (a decoder-only ``*ForCausalLM`` or a VLM's ``*ForConditionalGeneration``)
+    as RoundPipe layers: our own adapter for its family, else the general path; a model
+    neither can run raises :class:`~.replay.UnsupportedModel` (a ValueError) before
+    anything is allocated."""
+    find_structure(model)
+    family = own_adapter(model)
+    if family is None:
+        return replayed_layers(model, chunk_tokens)
+    return decoder_layers(model, family, chunk_tokens)

@@ -1,9 +1,12 @@
-"""The Hugging Face model families RoundPipe cuts into layers, and what differs between them.
+"""Which path cuts a Hugging Face causal LM into RoundPipe layers.
 
-A family is the ``config.model_type`` of its ``*ForCausalLM`` models plus the few
-facts the generic decoder adapter (:mod:`.decoder`) needs. Adding a family whose
-model has ``model.embed_tokens``, ``model.layers``, ``model.norm``,
-``model.rotary_emb`` and an output embedding is one entry in ``FAMILIES``.
+Every decoder-only causal LM (and vision-language model, on text) takes the general
+path (:mod:`.replay`): the model's own decoder layers, called with the arguments its
+own decoder code gives them. The families in ``FAMILIES`` take our own adapter
+(:mod:`.decoder`) instead, an override that knows their layers: attention without an
+``S x S`` tensor for packed examples and sliding windows (and GPT-OSS's sinks), and
+tiled token-wise modules, so long context and packing keep device memory linear in
+the sequence (docs/design.md#long-context).
 """
 
 from __future__ import annotations
@@ -41,19 +44,7 @@ FAMILIES = {
 }
 
 
-def family_of(model) -> Family:
-    """The family of ``model`` (a ``*ForCausalLM``), or a ValueError naming the supported ones."""
-    config = getattr(model, "config", None)
-    model_type = getattr(config, "model_type", None)
-    family = FAMILIES.get(model_type)
-    if family is None or not hasattr(model, "get_output_embeddings"):
-        supported = ", ".join(f"{f.name} ({f.model_type})" for f in FAMILIES.values())
-        what = f"model_type {model_type!r}" if model_type else type(model).__name__
-        raise ValueError(
-            f"roundpipe.from_hf supports decoder-only causal LMs of these families: "
-            f"{supported}; got {what}. A family whose model has model.embed_tokens, "
-            "model.layers, model.norm, model.rotary_emb and an LM head is one entry in "
-            "roundpipe/hf/families.py; any other model can be wrapped as an "
-            "nn.Sequential of layers and passed to RoundPipe(...)"
-        )
-    return family
+def own_adapter(model) -> Family | None:
+    """The :class:`Family` whose adapter runs ``model`` (a ``*ForCausalLM``), or ``None``
+    for the general path."""
+    return FAMILIES.get(getattr(getattr(model, "config", None), "model_type", None))

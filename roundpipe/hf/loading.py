@@ -11,6 +11,7 @@ working on take anonymous memory.
 
 from __future__ import annotations
 
+import contextlib
 import re
 from pathlib import Path
 
@@ -18,10 +19,10 @@ import torch
 from torch import nn
 
 from .checkpoint_layout import LoadItem, ModelTensor, plan_loading
-from .families import family_of
 from .nf4 import QUANTIZE_CHOICES, quantize_linears
 from .nf4_experts import check_target_parameters, quantize_experts
 from .pipe import HFRoundPipe, from_hf
+from .replay import UnsupportedModel, check_config, find_structure
 from .safetensors_io import (
     CheckpointError,
     FileMappings,
@@ -111,9 +112,10 @@ def plan_pretrained(path, *, torch_dtype=torch.bfloat16) -> tuple[nn.Module, lis
 
     config = transformers.AutoConfig.from_pretrained(directory)
     _refuse_quantized(directory, config)
+    check_config(config)
     torch_dtype = _resolved_dtype(torch_dtype, config)
     model = _empty_model(directory, config, torch_dtype)
-    family_of(model)  # an unsupported model is refused before anything is read
+    find_structure(model)  # a model no path runs is refused before anything is read
     stored = checkpoint_tensors(directory)
     items = plan_loading(_model_tensors(model, torch_dtype), stored, _ignored_patterns(model))
     return model, items
@@ -149,7 +151,17 @@ def _empty_model(directory: Path, config, torch_dtype: torch.dtype) -> nn.Module
     import transformers
 
     with torch.device("meta"):
-        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch_dtype)
+        model = None
+        for auto in (transformers.AutoModelForCausalLM, transformers.AutoModelForImageTextToText):
+            with contextlib.suppress(ValueError):  # "Unrecognized configuration class"
+                model = auto.from_config(config, dtype=torch_dtype)
+                break
+    if model is None:
+        raise UnsupportedModel(
+            f"model_type {config.model_type!r} has no causal LM or image-text-to-text "
+            "class in transformers (AutoModelForCausalLM, AutoModelForImageTextToText); "
+            "roundpipe trains decoder-only causal LMs (and vision-language models on text)"
+        )
     if (directory / "generation_config.json").is_file():
         model.generation_config = transformers.GenerationConfig.from_pretrained(directory)
     return model

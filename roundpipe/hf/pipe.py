@@ -18,8 +18,7 @@ import torch
 from ..cluster import PeerFailure
 from ..core.config import RoundPipeRunConfig
 from ..model import RoundPipe
-from .decoder import IGNORE_INDEX, decoder_layers
-from .families import family_of
+from .decoder import IGNORE_INDEX, model_layers
 
 
 class HFRoundPipe(RoundPipe):
@@ -200,7 +199,8 @@ def _label_tokens(labels: torch.Tensor) -> int:
 
 
 def from_hf(model, **options) -> HFRoundPipe:
-    """``model``, a ``*ForCausalLM`` of a supported family or a peft model of one (LoRA:
+    """``model``, a decoder-only ``*ForCausalLM`` (or a vision-language model's
+    ``*ForConditionalGeneration``, trained on text) or a peft model of one (LoRA:
     only the adapters train; the frozen base is uploaded, never downloaded), as an
     :class:`HFRoundPipe` whose parameters keep ``model``'s names."""
     is_peft = hasattr(model, "peft_config") and hasattr(model, "get_base_model")
@@ -210,9 +210,13 @@ def from_hf(model, **options) -> HFRoundPipe:
             "a Hugging Face RoundPipe's loss is already the mean over the global batch's "
             "label tokens; across nodes its gradients are summed (grad_reduction='sum')"
         )
-    family = family_of(causal_lm)
-    pipe = HFRoundPipe(decoder_layers(causal_lm, family), _names_from=model, **options)
-    pipe.max_positions = getattr(causal_lm.config, "max_position_embeddings", None)
+    pipe = HFRoundPipe(model_layers(causal_lm), _names_from=model, **options)
+    pipe.max_positions = _max_positions(causal_lm.config)
     pipe.__dict__["_hf_model"] = model  # not a submodule: its parameters are the layers'
     pipe.training = model.training  # the mode of what was wrapped (eval after from_pretrained)
     return pipe
+
+
+def _max_positions(config) -> int | None:
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return getattr(text, "max_position_embeddings", None)

@@ -1,7 +1,8 @@
 """Everything ``roundpipe train`` checks about ``--model`` before it is loaded: its files,
-its family, every weight file's header against the model (built on the ``meta``
-device, no memory), and that ``--lora-targets`` names modules of it; and the LoRA
-configuration the check and the run share (docs/design.md#checks-before-training).
+that ``roundpipe.hf`` can cut it into layers, every weight file's header against the
+model (built on the ``meta`` device, no memory), and that ``--lora-targets`` names
+modules of it; and the LoRA configuration the check and the run share
+(docs/design.md#checks-before-training).
 
 Each problem is a :class:`~roundpipe.train.options.UsageError` naming ``--model`` (and,
 for a hub id, the snapshot it resolved to: :mod:`roundpipe.train.hub`).
@@ -12,7 +13,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from ..hf.families import FAMILIES
 from ..hf.safetensors_io import INDEX_FILE, SINGLE_FILE, CheckpointError
 from .hub import ModelSource
 from .options import TrainOptions, UsageError
@@ -34,12 +34,6 @@ def check_model(options: TrainOptions, source: ModelSource) -> Any:
         )
     _check_files(model, flag, source.hub_id is not None)
     config = _config(model, flag)
-    if config.model_type not in FAMILIES:
-        supported = ", ".join(f"{f.name} ({f.model_type})" for f in FAMILIES.values())
-        raise UsageError(
-            f"{flag}: model_type {config.model_type!r} is not a family roundpipe "
-            f"trains; it trains decoder-only causal LMs of these families: {supported}"
-        )
     from ..hf.loading import plan_pretrained
 
     try:

@@ -30,13 +30,14 @@ def _save(model, directory: Path) -> Path:
     return Path(directory)
 
 
-def gpt2_dir(directory: Path) -> Path:
+def t5_dir(directory: Path) -> Path:
     import transformers
 
-    config = transformers.GPT2Config(
-        vocab_size=len(build_tokenizer()), n_embd=32, n_layer=1, n_head=2, n_positions=64
-    )
-    return _save(transformers.GPT2LMHeadModel(config), directory)
+    config = transformers.T5Config(
+        vocab_size=len(build_tokenizer()), d_model=32, num_layers=1, num_heads=2, d_kv=16,
+        d_ff=64,
+    )  # fmt: skip
+    return _save(transformers.T5ForConditionalGeneration(config), directory)
 
 
 def bert_dir(directory: Path) -> Path:
