@@ -405,3 +405,16 @@ def test_the_head_never_holds_the_logits_of_more_than_one_chunk(monkeypatch):
     torch.testing.assert_close(loss.detach(), want, rtol=1e-5, atol=1e-6)
     assert rows and max(rows) <= 8
     assert len(rows) >= 2 * (60 // 8)  # each chunk computed, then recomputed in backward
+
+
+@pytest.mark.parametrize("devices", [1, 2])
+def test_lora_on_every_linear_of_a_moe_model_trains_as_peft(devices):
+    """peft wraps the MoE router's bare ``weight`` with a parametrization while it runs;
+    the layer shell must be the same for the next microbatch (it crashed on the second)."""
+    peft = pytest.importorskip("peft")
+    model = build("qwen3_moe")
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear")
+    wrapped = peft.get_peft_model(model, config)
+    assert any(type(m).__name__ == "ParamWrapper" for m in wrapped.modules())  # the router
+    run_config = RoundPipeRunConfig(num_microbatch=3)
+    assert_trains_as_hf(wrapped, padded_batch(side="right"), run_config, f"emulated:{devices}")

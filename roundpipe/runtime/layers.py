@@ -145,10 +145,17 @@ class LayerBinding:
             owner[slot.name] = buffers[slot.uid]
 
     def unbind(self, shell: nn.Module) -> None:
-        """Drop the shell's references to device tensors so their memory can be freed."""
+        """Drop the shell's references to device tensors so their memory can be freed.
+
+        A parameter that came back from a parametrization round trip as a buffer (the
+        bound device tensor is not an ``nn.Parameter``, so ``remove_parametrizations``
+        registers it as one: peft's LoRA on bare parameters, e.g. MoE routers) is put
+        back in its place, so the next bind finds the shell as it was made."""
         targets = self._targets[id(shell)]
         for slot, owner in (*targets.params, *targets.buffers):
             owner[slot.name] = None
+        for slot, buffers in targets.param_buffers:
+            buffers.pop(slot.name, None)
 
     def host_buffers(self) -> dict[int, torch.Tensor]:
         """The layer's buffers in host memory, by uid."""
@@ -161,6 +168,7 @@ class _ShellTargets:
     def __init__(self, layer: LayerBinding, shell: nn.Module) -> None:
         self.modules = list(zip(shell.modules(), layer.module.modules(), strict=True))
         self.params = [(s, shell.get_submodule(s.path)._parameters) for s in layer.param_slots]
+        self.param_buffers = [(s, shell.get_submodule(s.path)._buffers) for s in layer.param_slots]
         self.buffers = [(s, shell.get_submodule(s.path)._buffers) for s in layer.buffer_slots]
 
 
