@@ -2,6 +2,6 @@
 (free functions over the user's model; ``transformers`` is imported lazily)."""
 
 from .families import FAMILIES, Family, own_adapter
-from .replay import UnsupportedModel
+from .structure import UnsupportedModel
 
 __all__ = ["FAMILIES", "Family", "UnsupportedModel", "own_adapter"]

@@ -24,7 +24,7 @@ from torch.utils.checkpoint import checkpoint
 from .attention import segmented_attention, segments_of
 from .families import Family, own_adapter
 from .long_context import loss_chunk_tokens, tile, tile_tokenwise
-from .replay import find_structure, replayed_layers
+from .replay import replayed_layers
 from .router import (
     RouterLoss,
     add_router_sums,
@@ -34,6 +34,7 @@ from .router import (
     router_class,
     router_loss_of,
 )
+from .structure import find_structure
 
 IGNORE_INDEX = -100
 LOSS_CHUNK_TOKENS = 4096

@@ -22,7 +22,6 @@ from .checkpoint_layout import LoadItem, ModelTensor, plan_loading
 from .nf4 import QUANTIZE_CHOICES, quantize_linears
 from .nf4_experts import check_target_parameters, quantize_experts
 from .pipe import HFRoundPipe, from_hf
-from .replay import UnsupportedModel, check_config, find_structure
 from .safetensors_io import (
     CheckpointError,
     FileMappings,
@@ -30,6 +29,7 @@ from .safetensors_io import (
     is_mapped,
     read_into,
 )
+from .structure import UnsupportedModel, check_config, find_structure
 
 _ALWAYS_IGNORED = (r"rotary_emb\.inv_freq",)
 """Checkpoint tensors transformers ignores for every model: older checkpoints saved the

@@ -19,12 +19,15 @@ from ..cluster import PeerFailure
 from ..core.config import RoundPipeRunConfig
 from ..model import RoundPipe
 from .decoder import IGNORE_INDEX, model_layers
+from .structure import packing_refusal
 
 
 class HFRoundPipe(RoundPipe):
     """A RoundPipe over a Hugging Face causal LM (build it with ``roundpipe.from_hf``)."""
 
     max_positions: int | None = None
+    packing_refusal: str | None = None
+    """Why packed sequences cannot train the model (:func:`.replay.packing_refusal`)."""
 
     @property
     def hf_model(self):
@@ -178,6 +181,8 @@ class HFRoundPipe(RoundPipe):
                 f"position_ids must lie in [0, {self.max_positions}) (the model's positions)"
             )
         restarts = bool((positions[:, 1:] - positions[:, :-1] != 1).any())
+        if restarts and self.packing_refusal is not None:
+            raise ValueError(self.packing_refusal)
         if restarts and mask is not None:
             # transformers only derives the block-diagonal mask of packed sequences
             # without an attention_mask; with one, attention would cross examples.
@@ -212,6 +217,7 @@ def from_hf(model, **options) -> HFRoundPipe:
         )
     pipe = HFRoundPipe(model_layers(causal_lm), _names_from=model, **options)
     pipe.max_positions = _max_positions(causal_lm.config)
+    pipe.packing_refusal = packing_refusal(causal_lm)
     pipe.__dict__["_hf_model"] = model  # not a submodule: its parameters are the layers'
     pipe.training = model.training  # the mode of what was wrapped (eval after from_pretrained)
     return pipe

@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from ..core.tiling import DEFAULT_SEQ_CHUNK_TOKENS
+from ..hf.families import FAMILIES
 from ..predict.breakdown import finest_plan
 from ..predict.gpus import gpu_preset
 from ..predict.host_settings import LeanSettings
@@ -60,6 +61,8 @@ def sequence_setting(
     devices of ``capacities`` bytes (``None``: unbounded, nothing to decide)."""
     if not capacities or None in capacities:
         return SequenceSetting()
+    if getattr(model_config, "model_type", None) not in FAMILIES:
+        return SequenceSetting()  # the general path has no tiled layers (README "Status")
     try:
         spec = ModelSpec.from_config(model_config)
     except ValueError:  # a config the predictor cannot read: leave the layers as they are

@@ -1,0 +1,163 @@
+"""Where a Hugging Face causal LM keeps what the general decoder path needs, and twins.
+
+:func:`find_structure` finds the base model, the decoder that owns the list of decoder
+layers (inside a VLM's base model, its language model) and the final norm, from
+transformers' own lookups (``get_decoder``, ``base_model_pp_plan``) and the usual names;
+a model without them is refused naming its ``model_type``. A *twin* is a shallow copy of
+one of the model's modules with some children replaced: the model itself is never
+changed (docs/design.md#the-general-decoder-path).
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+from dataclasses import dataclass
+
+from torch import nn
+
+NORM_NAMES = ("norm", "norm_f", "final_layernorm", "final_norm", "ln_f", "final_layer_norm")
+LAYER_LIST_NAMES = ("layers", "h", "blocks", "decoder_layers")
+_CARRIES_STATE = re.compile(
+    r"mamba|deltanet|linearattention|lightning|shortconv|kimidelta|ssm|rwkv|recurrent|conv1d",
+    re.IGNORECASE,
+)
+"""Class names of token mixers that carry a state along the sequence (state-space,
+linear attention, short convolutions) rather than attend under a mask."""
+
+
+class UnsupportedModel(ValueError):
+    """A model the general decoder path cannot run, named with what was found."""
+
+
+@dataclass(frozen=True)
+class Structure:
+    """Where a causal LM keeps what the general path needs."""
+
+    base_name: str
+    """The causal LM's attribute holding its base model (``model``)."""
+    decoder_path: tuple[str, ...]
+    """Submodule names from the base model down to the decoder that owns the layers
+    (empty for most text models, ``("language_model",)`` for a VLM)."""
+    layers_name: str
+    norm_name: str | None
+    num_layers: int
+
+
+def find_structure(causal_lm: nn.Module) -> Structure:
+    """The :class:`Structure` of ``causal_lm``, or :class:`UnsupportedModel` naming its
+    ``model_type`` and what was found."""
+    config = getattr(causal_lm, "config", None)
+    model_type = getattr(config, "model_type", None) or type(causal_lm).__name__
+    check_config(config)
+    base_name = getattr(causal_lm, "base_model_prefix", "model")
+    base = getattr(causal_lm, base_name, None)
+    if not isinstance(base, nn.Module) or not hasattr(causal_lm, "get_output_embeddings"):
+        raise UnsupportedModel(
+            f"model_type {model_type!r}: {type(causal_lm).__name__} has no base model "
+            f"{base_name!r} and LM head; pass a *ForCausalLM or *ForConditionalGeneration"
+        )
+    decoder = causal_lm.get_decoder() if hasattr(causal_lm, "get_decoder") else base
+    path = _path_to(base, decoder)
+    if path is None:
+        raise UnsupportedModel(
+            f"model_type {model_type!r}: its decoder ({type(decoder).__name__}) is not "
+            f"inside its base model {base_name!r}"
+        )
+    layers_name = _layers_name(decoder)
+    if layers_name is None:
+        children = ", ".join(decoder._modules) or "none"
+        raise UnsupportedModel(
+            f"model_type {model_type!r}: no list of decoder layers in "
+            f"{type(decoder).__name__} (its children: {children})"
+        )
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    count = getattr(text_config, "num_hidden_layers", None) or len(decoder._modules[layers_name])
+    return Structure(base_name, path, layers_name, _norm_name(decoder, layers_name), count)
+
+
+def check_config(config) -> None:
+    """Refuse, by its ``model_type``, a config no decoder-only model is built from."""
+    if getattr(config, "is_encoder_decoder", False):
+        raise UnsupportedModel(
+            f"model_type {config.model_type!r} is an encoder-decoder model; roundpipe "
+            "trains decoder-only causal LMs (and vision-language models on text)"
+        )
+
+
+def _path_to(root: nn.Module, target: nn.Module) -> tuple[str, ...] | None:
+    if root is target:
+        return ()
+    for name, module in root.named_modules():
+        if module is target:
+            return tuple(name.split("."))
+    return None
+
+
+def _layers_name(decoder: nn.Module) -> str | None:
+    plan = getattr(getattr(decoder, "config", None), "base_model_pp_plan", None) or {}
+    for name in (*plan, *LAYER_LIST_NAMES):
+        if isinstance(decoder._modules.get(name), nn.ModuleList):
+            return name
+    return None
+
+
+def _norm_name(decoder: nn.Module, layers_name: str) -> str | None:
+    plan = list(getattr(getattr(decoder, "config", None), "base_model_pp_plan", None) or {})
+    after = plan[plan.index(layers_name) + 1 :] if layers_name in plan else []
+    for name in (*after, *NORM_NAMES):
+        if isinstance(decoder._modules.get(name), nn.Module):
+            return name
+    return None
+
+
+def decoder_layer_modules(causal_lm: nn.Module, structure: Structure) -> list[nn.Module]:
+    decoder = decoder_of(getattr(causal_lm, structure.base_name), structure)
+    return list(decoder._modules[structure.layers_name])[: structure.num_layers]
+
+
+def decoder_of(base: nn.Module, structure: Structure) -> nn.Module:
+    module = base
+    for name in structure.decoder_path:
+        module = module._modules[name]
+    return module
+
+
+def packing_refusal(causal_lm: nn.Module) -> str | None:
+    """Why packed sequences (position ids restarting per example) cannot train this
+    model, or ``None``: token mixers that carry a state along the sequence would carry
+    it from one example into the next (transformers' own models do too)."""
+    structure = find_structure(causal_lm)
+    found = sorted(
+        {
+            type(module).__name__
+            for layer in decoder_layer_modules(causal_lm, structure)
+            for module in layer.modules()
+            if _CARRIES_STATE.search(type(module).__name__)
+        }
+    )
+    if not found:
+        return None
+    return (
+        f"model_type {causal_lm.config.model_type!r} cannot train packed sequences: its "
+        f"{', '.join(found)} layers carry a state along the sequence, which would cross "
+        "from one example into the next; pass one example per row (without packing)"
+    )
+
+
+def twin(module: nn.Module, children: dict[str, nn.Module]) -> nn.Module:
+    """A shallow copy of ``module`` (same class, same attributes, the same parameter and
+    child objects) whose children ``children`` are replaced; ``module`` is unchanged."""
+    copied = copy.copy(module)
+    for attr in ("_parameters", "_buffers", "_modules", "_non_persistent_buffers_set"):
+        copied.__dict__[attr] = copy.copy(module.__dict__[attr])
+    copied._modules.update(children)
+    return copied
+
+
+def twin_along(root: nn.Module, path: tuple[str, ...], children: dict[str, nn.Module]):
+    """A twin of ``root`` in which the module at ``path`` is a twin with ``children``
+    replaced (every module on the way a twin too)."""
+    if not path:
+        return twin(root, children)
+    return twin(root, {path[0]: twin_along(root._modules[path[0]], path[1:], children)})
