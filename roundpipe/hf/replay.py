@@ -99,9 +99,10 @@ class Prologue(nn.Module):
             raise
         except Exception as error:  # noqa: BLE001 - any failure of the model's own code
             raise UnsupportedModel(
-                f"model_type {self.model_type!r}: its decoder's own forward failed with its "
-                f"layers stubbed ({type(error).__name__}: {error}); roundpipe's general "
-                "path cannot run this model"
+                f"model_type {self.model_type!r}: its decoder does more than pass each "
+                "layer's output to the next and the last one's to its final norm (with its "
+                f"layers stubbed it failed: {type(error).__name__}: {error}); roundpipe's "
+                "general path cannot replay it"
             ) from error
 
     def _check(self, recorder: Recorder, out) -> None:
