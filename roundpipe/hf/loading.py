@@ -29,7 +29,7 @@ from .safetensors_io import (
     is_mapped,
     read_into,
 )
-from .structure import UnsupportedModel, check_config, find_structure
+from .structure import UnsupportedModel, check_config, find_structure, text_model
 
 _ALWAYS_IGNORED = (r"rotary_emb\.inv_freq",)
 """Checkpoint tensors transformers ignores for every model: older checkpoints saved the
@@ -115,7 +115,7 @@ def plan_pretrained(path, *, torch_dtype=torch.bfloat16) -> tuple[nn.Module, lis
     check_config(config)
     torch_dtype = _resolved_dtype(torch_dtype, config)
     model = _empty_model(directory, config, torch_dtype)
-    find_structure(model)  # a model no path runs is refused before anything is read
+    find_structure(text_model(model))  # a model no path runs is refused before anything is read
     stored = checkpoint_tensors(directory)
     items = plan_loading(_model_tensors(model, torch_dtype), stored, _ignored_patterns(model))
     return model, items

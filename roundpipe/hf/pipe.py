@@ -19,7 +19,7 @@ from ..cluster import PeerFailure
 from ..core.config import RoundPipeRunConfig
 from ..model import RoundPipe
 from .decoder import IGNORE_INDEX, model_layers
-from .structure import packing_refusal
+from .structure import packing_refusal, text_model
 
 
 class HFRoundPipe(RoundPipe):
@@ -215,6 +215,7 @@ def from_hf(model, **options) -> HFRoundPipe:
             "a Hugging Face RoundPipe's loss is already the mean over the global batch's "
             "label tokens; across nodes its gradients are summed (grad_reduction='sum')"
         )
+    causal_lm = text_model(causal_lm)
     pipe = HFRoundPipe(model_layers(causal_lm), _names_from=model, **options)
     pipe.max_positions = _max_positions(causal_lm.config)
     pipe.packing_refusal = packing_refusal(causal_lm)

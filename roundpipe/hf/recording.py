@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, MutableMapping
 from dataclasses import dataclass
 
 import torch
@@ -24,18 +24,23 @@ _local = threading.local()
 
 class LayerStub(nn.Module):
     """Stands in for decoder layer ``index`` while the prologue runs: records its call and
-    returns the hidden state (as a one-tuple that is also usable as the tensor's holder,
-    for decoders that index the layer's output)."""
+    returns the hidden state as a :class:`Passed`."""
 
     def __init__(self, layer: nn.Module, index: int) -> None:
         super().__init__()
         self.index = index
-        for name, value in vars(layer).items():  # e.g. attention_type, layer_type, is_sliding
-            if not name.startswith("_") and isinstance(value, _PLAIN) and name != "training":
-                setattr(self, name, value)
+        copy_plain_attributes(layer, self)  # e.g. attention_type, layer_type, is_sliding
 
     def forward(self, *args, **kwargs):
         return _recorder().layer(self.index, args, kwargs)
+
+
+def copy_plain_attributes(source: nn.Module, target: nn.Module) -> None:
+    """The public plain-valued attributes of ``source`` (what decoder code reads of a
+    layer, or head code of a base model), set on ``target``."""
+    for name, value in vars(source).items():
+        if not name.startswith("_") and isinstance(value, _PLAIN) and name != "training":
+            setattr(target, name, value)
 
 
 class NormStub(nn.Module):
@@ -43,12 +48,23 @@ class NormStub(nn.Module):
         return _recorder().norm(hidden)
 
 
+class Unused:
+    """Fills a :class:`Passed` beyond the hidden state (a layer's attention weights); a
+    layer called with one was handed a value the previous layer returned."""
+
+
 class Passed(tuple):
-    """What a layer stub returns: ``(hidden,)``, so ``output[0]`` is the hidden state."""
+    """What a layer stub returns: ``(hidden, Unused(), ...)`` as long as the decoder code
+    unpacks (``arity``), so ``output[0]`` is the hidden state; other attributes are the
+    hidden state's (``output.shape``), for decoder code that uses the output itself."""
+
+    def __getattr__(self, name):
+        return getattr(self[0], name)
 
 
 class Recorder:
-    def __init__(self) -> None:
+    def __init__(self, arity: int) -> None:
+        self.arity = arity
         self.calls: list[tuple[tuple, dict]] = []
         self.returned: list[Passed] = []
         self.norm_input = None
@@ -60,7 +76,7 @@ class Recorder:
         self.calls.append((args, kwargs))
         hidden = args[0] if args else kwargs.get("hidden_states")
         hidden = hidden[0] if isinstance(hidden, Passed) else hidden
-        passed = Passed((hidden,))
+        passed = Passed((hidden, *(Unused() for _ in range(self.arity - 1))))
         self.returned.append(passed)
         return passed
 
@@ -78,9 +94,9 @@ def _recorder() -> Recorder:
 
 
 @contextlib.contextmanager
-def recording() -> Iterator[Recorder]:
+def recording(arity: int) -> Iterator[Recorder]:
     outer = getattr(_local, "recorder", None)
-    _local.recorder = Recorder()
+    _local.recorder = Recorder(arity)
     try:
         yield _local.recorder
     finally:
@@ -116,10 +132,9 @@ def carried(hidden, recorded: list[tuple[tuple, dict]], labels, model_type: str)
     index: dict[int, int] = {}
 
     def slot(value) -> int:
-        _check_value(value, model_type)
         if id(value) not in index:
             index[id(value)] = len(values)
-            values.append(value)
+            values.append(_travelling(value, model_type))
         return index[id(value)]
 
     calls = []
@@ -139,22 +154,63 @@ def carried(hidden, recorded: list[tuple[tuple, dict]], labels, model_type: str)
     return Carried(hidden, tuple(values), tuple(calls), labels)
 
 
-def _check_value(value, model_type: str) -> None:
-    """Values that can travel: tensors, plain values, and tuples of them. A mutable
-    object shared by the layers is a side channel between them, which stages cannot
-    carry."""
+@dataclass(frozen=True)
+class FreshEmpty:
+    """Carried for an empty mutable container every layer was handed (Gemma 4's
+    ``shared_kv_states`` when no layer shares keys and values): each replayed layer gets
+    a new empty one, and a layer that writes into it is refused (:func:`fresh_value`)."""
+
+    kind: type
+
+
+def _travelling(value, model_type: str):
+    """``value`` as it travels: tensors, plain values and tuples of them as they are; an
+    empty container as :class:`FreshEmpty`. Anything else shared by the layers is a side
+    channel between them, which stages cannot carry."""
     if isinstance(value, (torch.Tensor, *_PLAIN)):
-        return
+        return value
     if type(value) is tuple:
-        for item in value:
-            _check_value(item, model_type)
-        return
+        return tuple(_travelling(item, model_type) for item in value)
+    if isinstance(value, Unused):
+        raise UnsupportedModel(
+            f"model_type {model_type!r}: its decoder passes a value one layer returns to "
+            "the next layer, which roundpipe's general path cannot replay yet"
+        )
+    if isinstance(value, MutableMapping | list) and not value:
+        return FreshEmpty(type(value))
     raise UnsupportedModel(
         f"model_type {model_type!r}: its decoder layers share an argument of type "
         f"{type(value).__name__} (a side channel between layers, e.g. shared keys and "
         "values), which pipeline stages cannot carry; roundpipe does not train this "
         "model yet"
     )
+
+
+def fresh_value(value):
+    """A recorded value as a layer is called with it (a new container for a
+    :class:`FreshEmpty`)."""
+    if isinstance(value, FreshEmpty):
+        return value.kind()
+    if type(value) is tuple:
+        return tuple(fresh_value(item) for item in value)
+    return value
+
+
+def check_still_empty(given: list, model_type: str, writes_unread: bool) -> None:
+    """Refuse a layer that wrote into a container it was given fresh: a later layer
+    would read what it wrote (a side channel between layers), unless the model's config
+    says none does (``writes_unread``: Gemma 4 with ``num_kv_shared_layers=0`` still
+    stores keys and values there, for assistant models outside the model)."""
+    if writes_unread:
+        return
+    for value in given:
+        if isinstance(value, MutableMapping | list) and value:
+            raise UnsupportedModel(
+                f"model_type {model_type!r}: a decoder layer wrote into the "
+                f"{type(value).__name__} every layer is handed (a side channel between "
+                "layers, e.g. shared keys and values), which pipeline stages cannot carry; "
+                "roundpipe does not train this model yet"
+            )
 
 
 def after_layer(state: Carried, hidden: torch.Tensor) -> Carried:

@@ -21,6 +21,8 @@ docs/design.md#the-general-decoder-path.
 
 from __future__ import annotations
 
+import re
+
 import torch
 from torch import nn
 from torch.nn import functional as F
@@ -35,6 +37,9 @@ from .recording import (
     Recorder,
     after_layer,
     carried,
+    check_still_empty,
+    copy_plain_attributes,
+    fresh_value,
     recording,
 )
 from .structure import (
@@ -48,6 +53,7 @@ from .structure import (
 )
 
 IGNORE_INDEX = -100
+_UNPACKING = r"not enough values to unpack \(expected (\d+), got 1\)"
 
 
 # -- the RoundPipe layers ----------------------------------------------------------------------
@@ -70,11 +76,14 @@ class Prologue(nn.Module):
         self.base = twin_along(base, structure.decoder_path, children)
         self.model_type = causal_lm.config.model_type
         self.has_norm = structure.norm_name is not None
+        self.arity = 1
+        """How many values the decoder code unpacks from a layer's output (found by
+        :meth:`probe`: Bamba's loop takes ``hidden, attention_weights``)."""
 
     def forward(self, input_ids, attention_mask=None, position_ids=None, labels=None):
         if padding_only_trails(attention_mask, labels):
             attention_mask = None  # no real token attends to a later pad under a causal mask
-        with recording() as recorder:
+        with recording(self.arity) as recorder:
             out = self.base(
                 input_ids=input_ids,
                 attention_mask=attention_mask,
@@ -94,7 +103,14 @@ class Prologue(nn.Module):
         ids = torch.zeros((1, 2), dtype=torch.long)
         try:
             with torch.no_grad(), torch.random.fork_rng(devices=[]):  # draws nothing of yours
-                self(ids)
+                try:
+                    self(ids)
+                except ValueError as error:  # the loop unpacks more than the hidden state
+                    unpacked = re.fullmatch(_UNPACKING, str(error))
+                    if unpacked is None:
+                        raise
+                    self.arity = int(unpacked.group(1))
+                    self(ids)
         except UnsupportedModel:
             raise
         except Exception as error:  # noqa: BLE001 - any failure of the model's own code
@@ -161,18 +177,22 @@ class ReplayedLayer(nn.Module):
 
     modifies_inputs = False
 
-    def __init__(self, layer: nn.Module) -> None:
+    def __init__(self, layer: nn.Module, config) -> None:
         super().__init__()
         self.layer = layer
+        self.model_type = config.model_type
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        self.writes_unread = getattr(text, "num_kv_shared_layers", None) == 0
 
     def forward(self, state: Carried) -> Carried:
         call, values = state.calls[0], state.values
-        args = [values[i] for i in call.positional]
-        kwargs = {k: values[i] for k, i in call.keywords}
+        args = [fresh_value(values[i]) for i in call.positional]
+        kwargs = {k: fresh_value(values[i]) for k, i in call.keywords}
         if call.hidden_at == 0:
             out = self.layer(state.hidden, *args, **kwargs)
         else:
             out = self.layer(*args, **{call.hidden_at: state.hidden}, **kwargs)
+        check_still_empty([*args, *kwargs.values()], self.model_type, self.writes_unread)
         return after_layer(state, out[0] if isinstance(out, tuple) else out)
 
 
@@ -188,6 +208,13 @@ class _HiddenOnly(dict):
 
 
 class _BaseStub(nn.Module):
+    """Stands in for the base model in the head: returns the hidden states it is given,
+    and has the base model's plain attributes (Falcon-H1's head reads its multiplier)."""
+
+    def __init__(self, base: nn.Module) -> None:
+        super().__init__()
+        copy_plain_attributes(base, self)
+
     def forward(self, *args, inputs_embeds=None, **kwargs):
         return _HiddenOnly(last_hidden_state=inputs_embeds)
 
@@ -202,7 +229,9 @@ class ReplayedHead(nn.Module):
         super().__init__()
         decoder = decoder_of(getattr(causal_lm, structure.base_name), structure)
         self.norm = decoder._modules[structure.norm_name] if structure.norm_name else None
-        self.lm = twin(causal_lm, {structure.base_name: _BaseStub()})
+        self.lm = twin(
+            causal_lm, {structure.base_name: _BaseStub(getattr(causal_lm, structure.base_name))}
+        )
         self.chunk_tokens = chunk_tokens
         self.vocab_size = causal_lm.get_output_embeddings().weight.shape[0]
 
@@ -255,6 +284,6 @@ def replayed_layers(causal_lm: nn.Module, chunk_tokens: int) -> nn.Sequential:
     prologue.probe()
     return nn.Sequential(
         prologue,
-        *(ReplayedLayer(layer) for layer in layers),
+        *(ReplayedLayer(layer, causal_lm.config) for layer in layers),
         ReplayedHead(causal_lm, structure, chunk_tokens),
     )

@@ -16,7 +16,9 @@ from dataclasses import dataclass
 
 from torch import nn
 
-NORM_NAMES = ("norm", "norm_f", "final_layernorm", "final_norm", "ln_f", "final_layer_norm")
+NORM_NAMES = (
+    "norm", "norm_f", "final_layernorm", "final_norm", "ln_f", "final_layer_norm", "embedding_norm",
+)  # fmt: skip
 LAYER_LIST_NAMES = ("layers", "h", "blocks", "decoder_layers")
 _CARRIES_STATE = re.compile(
     r"mamba|deltanet|linearattention|lightning|shortconv|kimidelta|ssm|rwkv|recurrent|conv1d",
@@ -44,13 +46,33 @@ class Structure:
     num_layers: int
 
 
+def text_model(model: nn.Module) -> nn.Module:
+    """The causal LM that trains on text: ``model``, or the one inside it when a
+    vision-language model keeps a whole causal LM as its ``language_model`` (Llama 4),
+    with the same LM head."""
+    inner = getattr(model, "language_model", None)
+    if (
+        isinstance(inner, nn.Module)
+        and hasattr(inner, "get_output_embeddings")
+        and hasattr(model, "get_output_embeddings")
+        and inner.get_output_embeddings() is not None
+        and inner.get_output_embeddings() is model.get_output_embeddings()
+    ):
+        return inner
+    return model
+
+
 def find_structure(causal_lm: nn.Module) -> Structure:
-    """The :class:`Structure` of ``causal_lm``, or :class:`UnsupportedModel` naming its
-    ``model_type`` and what was found."""
+    """The :class:`Structure` of ``causal_lm`` (a :func:`text_model`), or
+    :class:`UnsupportedModel` naming its ``model_type`` and what was found."""
     config = getattr(causal_lm, "config", None)
     model_type = getattr(config, "model_type", None) or type(causal_lm).__name__
     check_config(config)
-    base_name = getattr(causal_lm, "base_model_prefix", "model")
+    prefix = getattr(causal_lm, "base_model_prefix", "model")
+    base_name = next(
+        (n for n in (prefix, "model") if isinstance(getattr(causal_lm, n, None), nn.Module)),
+        prefix,
+    )  # Llama 4's causal LM keeps its base model under "model", not its prefix
     base = getattr(causal_lm, base_name, None)
     if not isinstance(base, nn.Module) or not hasattr(causal_lm, "get_output_embeddings"):
         raise UnsupportedModel(
@@ -58,6 +80,8 @@ def find_structure(causal_lm: nn.Module) -> Structure:
             f"{base_name!r} and LM head; pass a *ForCausalLM or *ForConditionalGeneration"
         )
     decoder = causal_lm.get_decoder() if hasattr(causal_lm, "get_decoder") else base
+    if decoder is causal_lm:
+        decoder = base.get_decoder() if hasattr(base, "get_decoder") else base
     path = _path_to(base, decoder)
     if path is None:
         raise UnsupportedModel(
@@ -77,11 +101,21 @@ def find_structure(causal_lm: nn.Module) -> Structure:
 
 
 def check_config(config) -> None:
-    """Refuse, by its ``model_type``, a config no decoder-only model is built from."""
+    """Refuse, by its ``model_type``, a config no decoder-only model is built from, or
+    one whose layers share keys and values (Gemma 3n, Gemma 4 E2B/E4B: later layers read
+    what earlier ones wrote into a shared container, which stages cannot carry yet)."""
     if getattr(config, "is_encoder_decoder", False):
         raise UnsupportedModel(
             f"model_type {config.model_type!r} is an encoder-decoder model; roundpipe "
             "trains decoder-only causal LMs (and vision-language models on text)"
+        )
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if getattr(text, "num_kv_shared_layers", 0):
+        raise UnsupportedModel(
+            f"model_type {config.model_type!r} with num_kv_shared_layers="
+            f"{text.num_kv_shared_layers}: its last layers reuse the keys and values of "
+            "earlier ones, which roundpipe does not carry between pipeline stages yet; the "
+            "variants without shared layers train"
         )
 
 
