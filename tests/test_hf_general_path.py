@@ -167,7 +167,7 @@ def test_logits_without_labels_are_the_models():
     [
         (ScalesBetweenLayers, "does more than pass each layer's output to the next"),
         (ScalesTheIndexedOutput, "changes the hidden state between layers 0 and 1"),
-        (PassesValuesOn, "does more than pass each layer's output to the next"),
+        (PassesValuesOn, "passes a value one layer returns to the next layer"),
         (ScalesAfterTheNorm, "not its final norm of the last layer's output"),
         (SharesADict, "share an argument of type dict"),
     ],

@@ -21,11 +21,18 @@ NORM_NAMES = (
 )  # fmt: skip
 LAYER_LIST_NAMES = ("layers", "h", "blocks", "decoder_layers")
 _CARRIES_STATE = re.compile(
-    r"mamba|deltanet|linearattention|lightning|shortconv|kimidelta|ssm|rwkv|recurrent|conv1d",
+    r"mamba|deltanet|linearattention|lightning|shortconv|rwkv|recurrent|conv1d",
     re.IGNORECASE,
 )
 """Class names of token mixers that carry a state along the sequence (state-space,
 linear attention, short convolutions) rather than attend under a mask."""
+PACKING_REFUSED = {
+    "qwen2_5_vl": "its M-RoPE positions of packed examples are not those of each example "
+    "alone (transformers' own model differs from the examples run apart by 4e-3 in the "
+    "loss); pass one example per row (without packing)",
+}
+"""Model types whose packed sequences are not their examples apart, though their layers
+attend under a mask (measured: tests/test_hf_architecture_features.py)."""
 
 
 class UnsupportedModel(ValueError):
@@ -161,6 +168,10 @@ def packing_refusal(causal_lm: nn.Module) -> str | None:
     """Why packed sequences (position ids restarting per example) cannot train this
     model, or ``None``: token mixers that carry a state along the sequence would carry
     it from one example into the next (transformers' own models do too)."""
+    model_type = causal_lm.config.model_type
+    if model_type in PACKING_REFUSED:
+        reason = PACKING_REFUSED[model_type]
+        return f"model_type {model_type!r} cannot train packed sequences: {reason}"
     structure = find_structure(causal_lm)
     found = sorted(
         {
@@ -173,7 +184,7 @@ def packing_refusal(causal_lm: nn.Module) -> str | None:
     if not found:
         return None
     return (
-        f"model_type {causal_lm.config.model_type!r} cannot train packed sequences: its "
+        f"model_type {model_type!r} cannot train packed sequences: its "
         f"{', '.join(found)} layers carry a state along the sequence, which would cross "
         "from one example into the next; pass one example per row (without packing)"
     )
