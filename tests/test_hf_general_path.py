@@ -109,9 +109,20 @@ class ScalesAfterTheNorm(transformers.LlamaModel):
         return _run(self, input_ids, end=lambda h: h * 2)
 
 
-class SharesADict(transformers.LlamaModel):
+class SharesAFilledDict(transformers.LlamaModel):
+    def forward(self, input_ids=None, **_):
+        return _run(self, input_ids, shared_keys_and_values={"first": torch.zeros(1)})
+
+
+class SharesAnEmptyDict(transformers.LlamaModel):
     def forward(self, input_ids=None, **_):
         return _run(self, input_ids, shared_keys_and_values={})
+
+
+class WritesIntoTheSharedDict(transformers.models.llama.modeling_llama.LlamaDecoderLayer):
+    def forward(self, hidden_states, shared_keys_and_values=None, **kwargs):
+        shared_keys_and_values[f"layer {self.self_attn.layer_idx}"] = hidden_states
+        return super().forward(hidden_states, **kwargs)
 
 
 def test_a_model_type_outside_the_families_takes_the_general_path_and_trains_exactly():
@@ -169,7 +180,7 @@ def test_logits_without_labels_are_the_models():
         (ScalesTheIndexedOutput, "changes the hidden state between layers 0 and 1"),
         (PassesValuesOn, "passes a value one layer returns to the next layer"),
         (ScalesAfterTheNorm, "not its final norm of the last layer's output"),
-        (SharesADict, "share an argument of type dict"),
+        (SharesAFilledDict, "share an argument of type dict"),
     ],
     ids=[
         "hidden changed",
@@ -193,3 +204,20 @@ def test_a_model_without_a_layer_list_is_refused_naming_what_it_has():
     model.model.blocks_of_mine = model.model._modules.pop("layers")
     with pytest.raises(UnsupportedModel, match=r"no list of decoder layers in LlamaModel"):
         roundpipe.from_hf(model, devices="emulated:1")
+
+
+def test_an_empty_container_every_layer_is_handed_is_fresh_for_each_and_must_stay_empty():
+    """Layers that ignore it train exactly; a layer that writes into it (a side channel
+    to later layers, which stages cannot carry) is refused at its first call."""
+    model = build(SharesAnEmptyDict)
+    reference = copy.deepcopy(model)
+    data = batch("right")
+    with roundpipe.from_hf(model, devices="emulated:2") as pipe:
+        loss = pipe.forward_backward(input_kwargs=data)
+    torch.testing.assert_close(loss.detach(), reference(**data).loss.detach())
+    writer = build(SharesAnEmptyDict)
+    for layer in writer.model.layers:
+        layer.__class__ = WritesIntoTheSharedDict
+    with roundpipe.from_hf(writer, devices="emulated:2") as pipe:
+        with pytest.raises(UnsupportedModel, match="a decoder layer wrote into the dict"):
+            pipe.forward_backward(input_kwargs=data)
