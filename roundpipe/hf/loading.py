@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from .checkpoint_layout import LoadItem, ModelTensor, plan_loading
+from .converted_loading import has_conversion, load_converted, quantize_in_place
 from .nf4 import QUANTIZE_CHOICES, quantize_linears
 from .nf4_experts import check_target_parameters, quantize_experts
 from .pipe import HFRoundPipe, from_hf
@@ -64,13 +65,19 @@ def from_pretrained(
     """
     _check_quantize(quantize, lora)
     model, items = plan_pretrained(path, torch_dtype=torch_dtype)
+    if items is None:  # a layout transformers converts: it loads the model itself
+        model = load_converted(Path(path), type(model), model.dtype)
     if quantize is not None:
         from .nf4_lora import lora_config_for_nf4
 
         lora = lora_config_for_nf4(lora, model)  # before the linears are replaced
-        items = quantize_experts(model, quantize_linears(model, items))
-    _fill(model, items, FileMappings() if lora is not None else None)
-    _recompute_buffers(model)
+        if items is None:
+            quantize_in_place(model)
+        else:
+            items = quantize_experts(model, quantize_linears(model, items))
+    if items is not None:
+        _fill(model, items, FileMappings() if lora is not None else None)
+        _recompute_buffers(model)
     model.eval()  # as transformers' from_pretrained leaves it
     if lora is not None:
         import peft
@@ -95,11 +102,12 @@ def _check_quantize(quantize, lora) -> None:
         check_target_parameters(lora)
 
 
-def plan_pretrained(path, *, torch_dtype=torch.bfloat16) -> tuple[nn.Module, list[LoadItem]]:
+def plan_pretrained(path, *, torch_dtype=torch.bfloat16) -> tuple[nn.Module, list[LoadItem] | None]:
     """What :func:`from_pretrained` checks and plans before it reads a tensor: the model
     of directory ``path`` on the ``meta`` device (no memory) and the checkpoint tensors
-    that fill each of its tensors. Refuses a directory without ``config.json``
-    (FileNotFoundError), a quantized checkpoint, a family RoundPipe does not cut into
+    that fill each of its tensors (``None``: a layout transformers converts while
+    loading, :mod:`.converted_loading`). Refuses a directory without ``config.json``
+    (FileNotFoundError), a quantized checkpoint, a model RoundPipe does not cut into
     layers (ValueError), and safetensors files that are truncated, lack a tensor, hold
     one the model has no place for or of another shape (:class:`CheckpointError`)."""
     directory = Path(path)
@@ -117,7 +125,12 @@ def plan_pretrained(path, *, torch_dtype=torch.bfloat16) -> tuple[nn.Module, lis
     model = _empty_model(directory, config, torch_dtype)
     find_structure(text_model(model))  # a model no path runs is refused before anything is read
     stored = checkpoint_tensors(directory)
-    items = plan_loading(_model_tensors(model, torch_dtype), stored, _ignored_patterns(model))
+    try:
+        items = plan_loading(_model_tensors(model, torch_dtype), stored, _ignored_patterns(model))
+    except CheckpointError:
+        if not has_conversion(model):
+            raise
+        return model, None
     return model, items
 
 
@@ -147,12 +160,13 @@ def _refuse_quantized(directory: Path, config) -> None:
 
 
 def _empty_model(directory: Path, config, torch_dtype: torch.dtype) -> nn.Module:
-    """The model of ``config`` with its parameters on the meta device (no memory)."""
-    import transformers
-
+    """The model of ``config`` with its parameters on the meta device (no memory). A
+    config with a vision tower builds the vision-language class, whose names its
+    checkpoint has."""
+    autos = _model_classes(config)
+    model = None
     with torch.device("meta"):
-        model = None
-        for auto in (transformers.AutoModelForCausalLM, transformers.AutoModelForImageTextToText):
+        for auto in autos:
             with contextlib.suppress(ValueError):  # "Unrecognized configuration class"
                 model = auto.from_config(config, dtype=torch_dtype)
                 break
@@ -163,8 +177,19 @@ def _empty_model(directory: Path, config, torch_dtype: torch.dtype) -> nn.Module
             "roundpipe trains decoder-only causal LMs (and vision-language models on text)"
         )
     if (directory / "generation_config.json").is_file():
+        import transformers
+
         model.generation_config = transformers.GenerationConfig.from_pretrained(directory)
     return model
+
+
+def _model_classes(config) -> list:
+    import transformers
+
+    autos = [transformers.AutoModelForCausalLM, transformers.AutoModelForImageTextToText]
+    if getattr(config, "vision_config", None) is not None:
+        autos.reverse()
+    return autos
 
 
 def _resolved_dtype(torch_dtype, config) -> torch.dtype:
@@ -260,26 +285,36 @@ def _fill(model: nn.Module, items: list[LoadItem], mappings: FileMappings | None
 
 
 def _recompute_buffers(model: nn.Module) -> None:
-    """Compute the non-persistent buffers (the rotary tables, ``inv_freq``), which are not
-    in the checkpoint, by building their module again on the host from its config."""
+    """Compute the non-persistent buffers (the rotary tables, ``inv_freq``; Gemma's
+    embedding scale), which are not in the checkpoint: by building their module again
+    on the host from its config, or, for modules without one, the whole model again with
+    its parameters on the meta device and its buffers on the host, as accelerate's
+    ``init_empty_weights(include_buffers=False)`` builds it."""
+    rebuilt = None
     for module_name, module in model.named_modules():
         stale = [n for n, b in module._buffers.items() if b is not None and b.is_meta]
         if not stale:
             continue
         config = getattr(module, "config", None)
-        if config is None:
-            raise RuntimeError(
-                f"cannot compute the buffers {stale} of {module_name} "
-                f"({type(module).__name__}): they are not in the checkpoint and the module "
-                "has no config to build them from"
-            )
-        with torch.device("cpu"):
-            fresh = type(module)(config)
+        if config is not None:
+            with torch.device("cpu"):
+                fresh = type(module)(config)
+        else:
+            rebuilt = rebuilt or _with_host_buffers(model)
+            fresh = rebuilt.get_submodule(module_name)
         for name in stale:
             module._buffers[name] = fresh._buffers[name]
     left = [n for n, t in (*model.named_parameters(), *model.named_buffers()) if t.is_meta]
     if left:
         raise RuntimeError(f"tensors left unloaded on the meta device: {left}")
+
+
+def _with_host_buffers(model: nn.Module) -> nn.Module:
+    from accelerate import init_empty_weights
+
+    dtype = next(model.parameters()).dtype
+    with init_empty_weights(include_buffers=False):
+        return type(model)._from_config(model.config, dtype=dtype)
 
 
 def _copy_trainable_views(model: nn.Module) -> None:

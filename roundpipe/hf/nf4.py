@@ -30,6 +30,7 @@ from .nf4_format import (
     quantize_nf4_into,
 )
 from .safetensors_io import StoredTensor, read_into
+from .structure import decoder_layers_of
 
 QUANTIZE_CHOICES = (None, "nf4")
 """The values ``from_pretrained(quantize=...)`` takes."""
@@ -99,6 +100,12 @@ class NF4Linear(nn.Module):
         """The weight (out × in, ``compute_dtype``) on the device of the NF4 data."""
         shape = (self.out_features, self.in_features)
         return dequantize(self.packed_weight, self.absmax, shape, self.compute_dtype)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """:meth:`dequantized_weight`, for model code that reads a linear layer's weight
+        itself (Jamba's and LongCat's layers do); no gradient reaches it."""
+        return self.dequantized_weight()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = (self.out_features, self.in_features)
@@ -203,9 +210,8 @@ def quantize_stored(stored: StoredTensor, dtype: torch.dtype) -> tuple[torch.Ten
 
 def _decoder_linears(model: nn.Module) -> dict[str, tuple[nn.Module, str, nn.Linear]]:
     """``{weight name: (parent, attribute, linear)}`` for every ``nn.Linear`` inside a
-    decoder layer of ``model`` (``model.model.layers`` for every supported family)."""
-    inner = model.get_decoder() if hasattr(model, "get_decoder") else model.model
-    in_layers = {id(m) for layer in inner.layers for m in layer.modules()}
+    decoder layer of ``model`` (:func:`.structure.decoder_layers_of`)."""
+    in_layers = {id(m) for layer in decoder_layers_of(model) for m in layer.modules()}
     found = {}
     for parent_name, parent in model.named_modules():
         if id(parent) not in in_layers:

@@ -157,6 +157,12 @@ def decoder_layer_modules(causal_lm: nn.Module, structure: Structure) -> list[nn
     return list(decoder._modules[structure.layers_name])[: structure.num_layers]
 
 
+def decoder_layers_of(model: nn.Module) -> list[nn.Module]:
+    """The decoder layers of ``model`` (a causal LM or VLM, on any path)."""
+    causal_lm = text_model(model)
+    return decoder_layer_modules(causal_lm, find_structure(causal_lm))
+
+
 def decoder_of(base: nn.Module, structure: Structure) -> nn.Module:
     module = base
     for name in structure.decoder_path:

@@ -1,207 +1,115 @@
-"""The shape of a decoder-only transformer, and the parameter counts that follow from it.
-
-A :class:`ModelSpec` comes from a named preset (the published configs, no hub downloads)
-or from any supported Hugging Face config, dense or mixture-of-experts. Which counts
-decide memory, uploads and compute, and where LoRA adapters sit:
-docs/design.md#model-shapes.
+"""The shapes of the models ``roundpipe simulate --model`` knows by name, written from
+their published ``config.json`` (no hub downloads), and the :class:`ModelSpec` that
+holds a model's shape (:mod:`.model_shape`, read from any supported Hugging Face
+config by ``ModelSpec.from_config``). Which counts decide memory, uploads and compute,
+and where LoRA adapters sit: docs/design.md#model-shapes.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from .layer_kinds import FULL_ATTENTION, LINEAR_ATTENTION, SLIDING_ATTENTION
+from .model_shape import ModelSpec
+
+__all__ = ["MODEL_PRESETS", "ModelSpec", "model_preset"]
 
 
-@dataclass(frozen=True)
-class ModelSpec:
-    """The shape numbers of a decoder-only transformer."""
-
-    name: str
-    hidden_size: int
-    intermediate_size: int
-    """The dense MLP's width (0 in an all-MoE model)."""
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    vocab_size: int
-    tie_word_embeddings: bool = False
-    num_experts: int = 0
-    experts_per_token: int = 0
-    moe_intermediate_size: int = 0
-    sliding_window: int | None = None
-    window_layers: int = 0
-    """How many layers use the sliding window (the rest attend to the whole sequence)."""
-    qk_norm: bool = False
-    """RMSNorm on every query and key head (Qwen3)."""
-    biases: bool = False
-    """Biases on every projection, attention sinks (gpt-oss)."""
-    sinks: bool = False
-    """A learned sink logit per attention head (gpt-oss): its attention runs through
-    ``roundpipe.hf.attention``'s sink path."""
-
-    @classmethod
-    def from_config(cls, config: Mapping | object, name: str | None = None) -> ModelSpec:
-        """Read a Hugging Face config (dict or ``PretrainedConfig``), named by its
-        ``_name_or_path``, else ``name``, else its architecture and size
-        ("Qwen3ForCausalLM 1.7B"): a saved config.json has no ``_name_or_path``."""
-        values = config.to_dict() if hasattr(config, "to_dict") else dict(config)  # type: ignore[arg-type]
-        spec = cls._read(values)
-        given = values.get("name_or_path") or values.get("_name_or_path") or name
-        return replace(spec, name=given or f"{_architecture(values)} {_size(spec.num_params)}")
-
-    @classmethod
-    def _read(cls, values: Mapping) -> ModelSpec:
-        try:
-            hidden, heads = values["hidden_size"], values["num_attention_heads"]
-            experts = values.get("num_experts") or values.get("num_local_experts") or 0
-            top_k = values.get("num_experts_per_tok") or values.get("experts_per_token") or 0
-            if experts and not top_k:
-                raise ValueError(
-                    f"the MoE config has {experts} experts but no num_experts_per_tok "
-                    "(or experts_per_token) entry"
-                )
-            dense_mlp = values.get("intermediate_size", 0)
-            model_type = values.get("model_type", "")
-            return cls(
-                name="",
-                hidden_size=hidden,
-                intermediate_size=0 if experts else dense_mlp,
-                num_layers=values["num_hidden_layers"],
-                num_heads=heads,
-                num_kv_heads=values.get("num_key_value_heads") or heads,
-                head_dim=values.get("head_dim") or hidden // heads,
-                vocab_size=values["vocab_size"],
-                tie_word_embeddings=bool(values.get("tie_word_embeddings", False)),
-                num_experts=experts,
-                experts_per_token=top_k if experts else 0,
-                moe_intermediate_size=(values.get("moe_intermediate_size") or dense_mlp)
-                if experts
-                else 0,
-                sliding_window=values.get("sliding_window"),
-                window_layers=_window_layers(values),
-                qk_norm=model_type.startswith("qwen3"),
-                biases=model_type == "gpt_oss" or bool(values.get("attention_bias", False)),
-                sinks=model_type == "gpt_oss",
-            )
-        except KeyError as missing:
-            raise ValueError(f"the model config has no {missing} entry") from None
-
-    @property
-    def is_moe(self) -> bool:
-        return self.num_experts > 0
-
-    @property
-    def q_width(self) -> int:
-        return self.num_heads * self.head_dim
-
-    @property
-    def kv_width(self) -> int:
-        return self.num_kv_heads * self.head_dim
-
-    @property
-    def attention_params(self) -> int:
-        """q, k, v, o projections (+ biases and sinks, + q/k norm weights)."""
-        h, q, kv = self.hidden_size, self.q_width, self.kv_width
-        params = h * (2 * q + 2 * kv)
-        if self.biases:
-            params += q + 2 * kv + h + self.num_heads
-        if self.qk_norm:
-            params += 2 * self.head_dim
-        return params
-
-    @property
-    def expert_params(self) -> int:
-        """One expert (or the dense MLP): gate, up and down projections."""
-        h, i = self.hidden_size, self.moe_intermediate_size or self.intermediate_size
-        return 3 * h * i + (2 * i + h if self.biases else 0)
-
-    @property
-    def linear_weight_params(self) -> int:
-        """One decoder layer's linear weights, what NF4 quantizes: the attention
-        projections (``roundpipe.hf.nf4``) and the MLP's gate, up and down, every
-        expert's in an MoE layer (``roundpipe.hf.nf4_experts``); biases, norms and the
-        router stay in the model dtype."""
-        h, q, kv = self.hidden_size, self.q_width, self.kv_width
-        if self.is_moe:
-            mlp = self.num_experts * 3 * h * self.moe_intermediate_size
-        else:
-            mlp = 3 * h * self.intermediate_size
-        return h * (2 * q + 2 * kv) + mlp
-
-    @property
-    def router_params(self) -> int:
-        return self.hidden_size * self.num_experts + (self.num_experts if self.biases else 0)
-
-    @property
-    def layer_params(self) -> int:
-        """Every parameter of one decoder layer (all experts)."""
-        mlp = self.num_experts * self.expert_params + self.router_params if self.is_moe else 0
-        dense = 3 * self.hidden_size * self.intermediate_size
-        return self.attention_params + (mlp if self.is_moe else dense) + 2 * self.hidden_size
-
-    @property
-    def active_layer_params(self) -> int:
-        """The parameters one token computes with: attention, router, its top-k experts."""
-        if not self.is_moe:
-            return self.layer_params
-        experts = self.experts_per_token * self.expert_params
-        return self.attention_params + self.router_params + experts + 2 * self.hidden_size
-
-    @property
-    def embedding_params(self) -> int:
-        return self.vocab_size * self.hidden_size
-
-    @property
-    def num_params(self) -> int:
-        """Unique parameters (a tied embedding once), the final norm included."""
-        embeddings = self.embedding_params * (1 if self.tie_word_embeddings else 2)
-        return self.num_layers * self.layer_params + embeddings + self.hidden_size
-
-    @property
-    def active_params(self) -> int:
-        """Parameters a token computes with: layers' active ones and the LM head."""
-        return self.num_layers * self.active_layer_params + self.embedding_params
-
-    @property
-    def upload_params(self) -> int:
-        """Parameters uploaded per pass over the pipeline (a tied embedding at both ends)."""
-        return self.num_layers * self.layer_params + 2 * self.embedding_params + self.hidden_size
-
-    def lora_layer_params(self, rank: int) -> int:
-        """Adapter parameters of one layer: rank x (in + out) per adapted projection."""
-        h, q, kv = self.hidden_size, self.q_width, self.kv_width
-        adapted = [(h, q), (h, kv), (h, kv), (q, h)]
-        if not self.is_moe:
-            i = self.intermediate_size
-            adapted += [(h, i), (h, i), (i, h)]
-        return rank * sum(a + b for a, b in adapted)
-
-    def lora_params(self, rank: int) -> int:
-        return self.num_layers * self.lora_layer_params(rank)
+def _every(period: int, kind: str, others: str, layers: int) -> tuple[str, ...]:
+    """``layers`` mixers: every ``period``-th (counting from 1) ``kind``, the others
+    ``others`` (Qwen3.5's ``full_attention_interval``, Gemma's 5 local : 1 global)."""
+    return tuple(kind if (i + 1) % period == 0 else others for i in range(layers))
 
 
-def _architecture(values: Mapping) -> str:
-    architectures = values.get("architectures") or ()
-    return architectures[0] if architectures else values.get("model_type") or "decoder"
-
-
-def _size(num_params: int) -> str:
-    """A parameter count as model names spell it: 1.7B, 494M, 86.9K."""
-    for scale, suffix in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
-        if num_params >= scale:
-            return f"{num_params / scale:.3g}{suffix}"
-    return str(num_params)
-
-
-def _window_layers(values: Mapping) -> int:
-    types = values.get("layer_types")
-    if types:
-        return sum(t == "sliding_attention" for t in types)
-    if values.get("sliding_window") and values.get("use_sliding_window"):
-        return values["num_hidden_layers"]
-    return 0
-
+_QWEN35_DELTANET = {  # Qwen3.5's Gated DeltaNet layers: 16 key heads, dims 128, 4 conv taps
+    "linear_num_key_heads": 16,
+    "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128,
+    "linear_conv_kernel_dim": 4,
+    "qk_norm": True,
+    "attention_output_gate": True,
+}
+# Presets beyond the paper's models, from their config.json as published (text model
+# only for the vision-language ones; multi-token-prediction layers, which Hugging Face
+# does not load, are not counted). Values marked "unsure" are from memory of the
+# config and only checked against the published parameter count.
+NEW_PRESETS = (
+    # Qwen/Qwen3.5-9B text_config: 3 Gated DeltaNet layers, then gated attention
+    ModelSpec(
+        "Qwen3.5-9B", 4096, 12288, 32, 16, 4, 256, 248320,
+        tie_word_embeddings=False,  # unsure: the smaller Qwen3.5 models tie
+        layer_types=_every(4, FULL_ATTENTION, LINEAR_ATTENTION, 32),
+        linear_num_value_heads=32,
+        **_QWEN35_DELTANET,
+    ),
+    ModelSpec(
+        "Qwen3.5-27B", 5120, 17408, 64, 24, 4, 256, 248320,
+        layer_types=_every(4, FULL_ATTENTION, LINEAR_ATTENTION, 64),
+        linear_num_value_heads=48,
+        **_QWEN35_DELTANET,
+    ),
+    ModelSpec(
+        "Qwen3.5-35B-A3B", 2048, 0, 40, 16, 2, 256, 248320,
+        num_experts=256,
+        experts_per_token=8,
+        moe_intermediate_size=512,
+        n_shared_experts=1,
+        shared_expert_intermediate_size=512,
+        shared_expert_gate=True,
+        layer_types=_every(4, FULL_ATTENTION, LINEAR_ATTENTION, 40),
+        linear_num_value_heads=32,
+        **_QWEN35_DELTANET,
+    ),
+    # google/gemma-3-27b-pt text_config: 5 sliding (1024) : 1 global, sandwich norms
+    ModelSpec(
+        "Gemma-3-27B", 5376, 21504, 62, 32, 16, 128, 262208, True,
+        sliding_window=1024,
+        window_layers=52,
+        layer_types=_every(6, FULL_ATTENTION, SLIDING_ATTENTION, 62),
+        qk_norm=True,
+        norms_per_layer=4,
+    ),
+    # google/gemma-4-31B text_config: global layers with 512-wide heads, 4 key heads
+    # that are also the values (no v_proj)
+    ModelSpec(
+        "Gemma-4-31B", 5376, 21504, 60, 32, 16, 256, 262144, True,
+        sliding_window=1024,
+        window_layers=50,
+        layer_types=_every(6, FULL_ATTENTION, SLIDING_ATTENTION, 60),
+        qk_norm=True,
+        norms_per_layer=4,
+        global_head_dim=512,
+        global_kv_heads=4,  # unsure: num_global_key_value_heads
+        attention_k_eq_v=True,
+    ),
+    ModelSpec("Llama-3.3-70B", 8192, 28672, 80, 64, 8, 128, 128256),
+    # microsoft/phi-4 (Phi3ForCausalLM: fused qkv and gate_up, the same weights)
+    ModelSpec("Phi-4", 5120, 17920, 40, 40, 10, 128, 100352),
+    # deepseek-ai/DeepSeek-V3: MLA, 3 dense layers, then 256 routed + 1 shared experts
+    ModelSpec(
+        "DeepSeek-V3", 7168, 18432, 61, 128, 128, 192, 129280,
+        num_experts=256,
+        experts_per_token=8,
+        moe_intermediate_size=2048,
+        first_k_dense_replace=3,
+        n_shared_experts=1,
+        q_lora_rank=1536,
+        kv_lora_rank=512,
+        qk_rope_head_dim=64,
+        qk_nope_head_dim=128,
+        v_head_dim=128,
+    ),
+    # zai-org/GLM-4.5-Air: biases on q, k, v; 1 dense layer, 128 routed + 1 shared
+    ModelSpec(
+        "GLM-4.5-Air", 4096, 10944, 46, 96, 8, 128, 151552,
+        num_experts=128,
+        experts_per_token=8,
+        moe_intermediate_size=1408,
+        first_k_dense_replace=1,
+        n_shared_experts=1,
+        qkv_bias=True,
+    ),
+    # mistralai/Mistral-Small-3.2-24B-Instruct-2506 text_config
+    ModelSpec("Mistral-Small-3.2-24B", 5120, 32768, 40, 32, 8, 128, 131072),
+)  # fmt: skip
 
 MODEL_PRESETS: dict[str, ModelSpec] = {
     spec.name.lower(): spec
@@ -255,6 +163,7 @@ MODEL_PRESETS: dict[str, ModelSpec] = {
             moe_intermediate_size=1536,
             qk_norm=True,
         ),
+        *NEW_PRESETS,
     )
 }
 

@@ -1,0 +1,65 @@
+"""Checkpoints whose tensors transformers converts while it loads them.
+
+transformers 5 stores several families' weights on disk in another layout than its
+modules hold them (Mixtral's and MiniMax's experts one per expert under
+``block_sparse_moe``, Gemma 3's and Mistral 3's vision towers under older names, ...)
+and converts them while loading (``transformers.conversion_mapping``). Where our own
+loader (:mod:`.checkpoint_layout`) does not know a layout and transformers has a
+conversion for the model, transformers loads the model itself: one dense copy in host
+memory (no file-mapped views for a LoRA base), every tensor accounted for (a tensor
+missing from the checkpoint or left over is refused, never initialized at random).
+With ``quantize="nf4"`` the decoder layers' linear layers and stacked experts are then
+quantized in place (docs/design.md#4-bit-bases).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .nf4 import NF4Linear
+from .nf4_experts import SUPPORTED, quantize_experts_module
+from .safetensors_io import CheckpointError
+from .structure import decoder_layers_of
+
+
+def has_conversion(model: nn.Module) -> bool:
+    """Whether transformers converts this model's checkpoint tensors while loading."""
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+    except ImportError:  # transformers 4: no conversions
+        return False
+    return bool(get_model_conversion_mapping(model, add_legacy=False))
+
+
+def load_converted(directory: Path, model_class: type, torch_dtype: torch.dtype) -> nn.Module:
+    """The model of ``directory`` loaded by transformers (``model_class.from_pretrained``),
+    refused if a tensor the model needs is missing or one is left over."""
+    model, info = model_class.from_pretrained(
+        directory, dtype=torch_dtype, output_loading_info=True
+    )
+    missing, unexpected = info.get("missing_keys") or [], info.get("unexpected_keys") or []
+    mismatched = info.get("mismatched_keys") or []
+    if missing or unexpected or mismatched:
+        raise CheckpointError(
+            f"{directory}: transformers' own conversion of the checkpoint leaves tensors "
+            f"missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]} or of "
+            f"another shape {sorted(mismatched)[:5]} (does config.json belong to these "
+            "weights?)"
+        )
+    return model
+
+
+def quantize_in_place(model: nn.Module) -> None:
+    """Every ``nn.Linear`` and supported stacked experts module inside a decoder layer of
+    ``model`` (dense host weights) replaced by its NF4 form, one at a time."""
+    layers = decoder_layers_of(model)
+    inside = {id(m) for layer in layers for m in layer.modules()}
+    for parent in [m for m in model.modules() if id(m) in inside]:
+        for name, child in list(parent.named_children()):
+            if type(child) is nn.Linear:
+                parent._modules[name] = NF4Linear.from_linear(child)
+            elif type(child).__name__ in SUPPORTED:
+                quantize_experts_module(child)
