@@ -17,32 +17,12 @@ import torch
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
+from support.architecture_status import LORA_FAILS_IN_PEFT, PACKING_REFUSED, TRAINED  # noqa: E402
 from support.architectures import VOCAB, architecture, padded_batch  # noqa: E402
-from test_hf_architectures import TRAINED  # noqa: E402
 
 import roundpipe  # noqa: E402
 from roundpipe import RoundPipeRunConfig  # noqa: E402
 
-LORA_FAILS_IN_PEFT = {
-    "falcon_h1": "peft refuses all-linear on Mamba models (conv1d, out_proj)",
-    "nemotron_h": "peft refuses all-linear on Mamba models (conv1d, out_proj)",
-    "phimoe": "peft's LoRA fails on its router, which returns a tuple",
-    "llama4_text": "peft's LoRA fails on its router, which returns a tuple",
-    "llama4_vlm": "peft's LoRA fails on its router, which returns a tuple",
-}
-"""Architecture → what peft itself does with ``all-linear`` on the model alone."""
-PACKING_REFUSED = {
-    "qwen2_5_vl": "M-RoPE positions",
-    **{
-        name: "carry a state along the sequence"
-        for name in (
-            "granitemoehybrid", "qwen3_next", "falcon_h1", "nemotron_h", "minimax",
-            "kimi_linear", "lfm2", "lfm2_moe", "bamba", "jamba", "zamba2", "qwen3_5_text",
-            "qwen3_5_moe_text", "qwen3_5_vlm", "qwen3_5_moe_vlm",
-        )
-    },
-}  # fmt: skip
-"""Architecture → why packed sequences are refused."""
 LORA = [name for name in TRAINED if name not in LORA_FAILS_IN_PEFT]
 PACKED = [name for name in TRAINED if name not in PACKING_REFUSED]
 

@@ -21,19 +21,15 @@ transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
 from peft.tuners.tuners_utils import _maybe_include_all_linear_layers  # noqa: E402
+from support.architecture_status import NF4_TESTED, TRAINED  # noqa: E402
 from support.architectures import architecture, padded_batch  # noqa: E402
 from support.nf4_models import set_adapters  # noqa: E402
-from test_hf_architecture_features import LORA_FAILS_IN_PEFT  # noqa: E402
-from test_hf_architectures import TRAINED  # noqa: E402
 
 import roundpipe  # noqa: E402
 from roundpipe import RoundPipeRunConfig  # noqa: E402
 from roundpipe.hf.nf4 import NF4Linear  # noqa: E402
 from roundpipe.hf.nf4_format import dequantize_nf4, quantize_nf4  # noqa: E402
 from roundpipe.hf.structure import decoder_layers_of  # noqa: E402
-
-EXPERTS_QUANTIZED = ("qwen3_moe", "gpt_oss")
-NF4 = [n for n in TRAINED if n not in LORA_FAILS_IN_PEFT and n not in EXPERTS_QUANTIZED]
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +69,7 @@ def nf4_round_trip(model) -> None:
                     module.weight.copy_(dequantize_nf4(packed, absmax, shape, torch.float32))
 
 
-@pytest.mark.parametrize("name", NF4)
+@pytest.mark.parametrize("name", NF4_TESTED)
 def test_lora_over_an_nf4_base_equals_peft_over_the_rounded_base(name, saved):
     model = architecture(name).build()
     every_linear = peft.LoraConfig(target_modules="all-linear")

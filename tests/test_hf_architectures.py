@@ -17,32 +17,20 @@ file's lists are the README's table.
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 
 import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
 
-from support.architectures import (  # noqa: E402
-    ARCHITECTURES,
-    architecture,
-    padded_batch,
-    prompt_masked,
-)
+from support.architecture_status import REFUSED, TRAINED, readme_table  # noqa: E402
+from support.architectures import ARCHITECTURES, architecture, padded_batch, prompt_masked  # noqa: E402
 
 import roundpipe  # noqa: E402
 from roundpipe import RoundPipeRunConfig  # noqa: E402
 from roundpipe.hf import UnsupportedModel  # noqa: E402
 
-REFUSED = {
-    "gemma3n_text": "num_kv_shared_layers=3: its last layers reuse the keys and values",
-    "gemma4_text": "num_kv_shared_layers=3: its last layers reuse the keys and values",
-    "gemma4_vlm": "num_kv_shared_layers=3: its last layers reuse the keys and values",
-    "glm_moe_dsa": "passes a value one layer returns to the next layer",
-    "deepseek_v4": "does more than pass each layer's output to the next",
-}
-"""Architecture → why the general path refuses it (each a test below)."""
-TRAINED = [arch.name for arch in ARCHITECTURES if arch.name not in REFUSED]
 MICROBATCHES = (slice(0, 2), slice(2, 4), slice(4, 5))  # 5 rows in 3, as the runtime splits
 
 
@@ -110,3 +98,9 @@ def test_an_architecture_the_general_path_cannot_run_is_refused_by_name(name):
 def test_every_architecture_is_trained_or_refused():
     assert set(REFUSED) <= {arch.name for arch in ARCHITECTURES}
     assert len(TRAINED) + len(REFUSED) == len(ARCHITECTURES)
+
+
+def test_the_readme_table_is_the_one_these_tests_check():
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    block = readme.split("<!-- architectures:begin -->\n")[1].split("\n<!-- architectures:end")[0]
+    assert block == readme_table(), "run: python bench/model_breadth.py --readme"

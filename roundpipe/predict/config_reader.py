@@ -204,9 +204,7 @@ def _ffn_kinds(values: Mapping, num_layers: int, moe: bool) -> tuple[str, ...]:
     dense_only = set(values.get("mlp_only_layers") or ())
     sparse_step = "decoder_sparse_step" in values  # Qwen counts from 1, DeepSeek from 0
     return tuple(
-        DENSE
-        if i < first or i in dense_only or (i + sparse_step) % every
-        else MOE
+        DENSE if i < first or i in dense_only or (i + sparse_step) % every else MOE
         for i in range(num_layers)
     )
 

@@ -11,6 +11,7 @@ from ..planning.sim.costs import CostModel, LayerCosts
 from .breakdown import SHARDED_HOST_BYTES
 from .gpus import PCIE_BANDWIDTH, Gpu
 from .host_settings import DEFAULT_SETTINGS, LeanSettings
+from .layer_kinds import SLIDING_ATTENTION, LayerShape
 from .model_specs import ModelSpec
 from .unit_costs import HALF, Kernels, UnitCost, embedding_cost, head_cost, layer_cost
 
@@ -81,18 +82,13 @@ class PricedModel:
         rank, nf4 = work.lora_rank, work.settings.quantize == "nf4"
         kernels = Kernels(gpu, work.precision, work.mfu)
         chunk = work.seq_chunk_tokens
-        full = layer_cost(spec, kernels, tokens, work.seq_len, None, rank, nf4, chunk)
-        window = None
-        if spec.window_layers:
-            window = layer_cost(
-                spec, kernels, tokens, work.seq_len, spec.sliding_window, rank, nf4, chunk
+        costs: dict[LayerShape, UnitCost] = {}
+        for shape in dict.fromkeys(spec.layer_shapes):  # each kind of layer priced once
+            window = spec.sliding_window if shape.mixer == SLIDING_ATTENTION else None
+            costs[shape] = layer_cost(
+                spec, kernels, tokens, work.seq_len, window, rank, nf4, chunk, layer=shape
             )
-        # gpt-oss alternates sliding and full layers; others have all or none windowed
-        every = spec.num_layers // max(spec.window_layers, 1)
-        layers = [
-            window if window is not None and i % every == 0 else full
-            for i in range(spec.num_layers)
-        ]
+        layers = [costs[shape] for shape in spec.layer_shapes]
         units = [
             embedding_cost(spec, kernels, tokens, rank > 0),
             *layers,
@@ -100,7 +96,7 @@ class PricedModel:
         ]
         trainable = spec.lora_params(rank) if rank else spec.num_params
         frozen = spec.num_params if rank else 0
-        quantized = spec.num_layers * spec.linear_weight_params if nf4 else 0
+        quantized = spec.total_linear_weight_params if nf4 else 0
         return cls(spec, units, trainable, frozen, quantized)
 
     @property

@@ -9,6 +9,7 @@ tokens/s follow. Here are the per-iteration figures the prediction states beside
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 
 from ..core.plan import Plan
@@ -52,20 +53,36 @@ def upload_savings(
     if work.settings.quantize is None:
         return None
     layers = range(1, spec.num_layers + 1)
+    shapes = spec.layer_shapes
     stages = [*plan.forward_ranges(), *plan.backward_ranges()]
-    uploads = sum(len(range(max(r.start, 1), min(r.stop, layers.stop))) for r in stages)
-    # passes per microbatch: one per upload (forward; recompute or the fused forward)
-    # plus every layer's backward
-    passes = uploads + spec.num_layers
+    uploaded = [
+        shapes[i - 1] for r in stages for i in range(max(r.start, 1), min(r.stop, layers.stop))
+    ]
+    uploads = len(uploaded)
     rounds = work.num_microbatches / work.round_microbatches(num_gpus)
-    weights = spec.linear_weight_params
-    saved = round(uploads * rounds * (weights * HALF - nf4_bytes(weights)))
+    # per kind of layer: its uploads and its passes per microbatch, one per upload
+    # (forward; recompute or the fused forward) plus every layer's backward
+    kinds = Counter(uploaded)
+    passes = Counter(shapes)
+    passes.update(kinds)
+    saved = round(
+        sum(n * rounds * _saved_bytes(spec.linear_weights_of(s)) for s, n in kinds.items())
+    )
     pcie = PCIE_BANDWIDTH[work.pcie] if work.pcie else gpu.pcie_bandwidth
-    dequantized = dequantized_params(spec, work.tokens_per_microbatch)
-    once = dequantize_time(dequantized, Kernels(gpu, work.precision, work.mfu))
+    kernels = Kernels(gpu, work.precision, work.mfu)
+    tokens = work.tokens_per_microbatch
+    dequantize_s = sum(
+        dequantize_time(dequantized_params(spec, tokens, s), kernels) * n * work.num_microbatches
+        for s, n in passes.items()
+    )
     return UploadSavings(
         upload_saved_bytes=saved,
         upload_saved_s=saved / pcie,
-        dequantize_s=once * passes * work.num_microbatches,
+        dequantize_s=dequantize_s,
         layer_uploads=uploads,
     )
+
+
+def _saved_bytes(weights: int) -> int:
+    """Upload bytes NF4 saves on ``weights`` linear weights."""
+    return weights * HALF - nf4_bytes(weights)

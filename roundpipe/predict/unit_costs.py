@@ -4,17 +4,30 @@ a model's shapes, a GPU and one microbatch of tokens.
 Each term (matmuls, attention, expert GEMMs, elementwise bytes) is priced at what bounds
 it on a GPU, with constants calibrated once for all models against the published
 RoundPipe measurements (bench/README.md "Calibration"); the terms and what activation
-bytes count are in docs/design.md#unit-costs.
+bytes count are in docs/design.md#unit-costs. A layer is priced by its kind
+(:class:`~.layer_kinds.LayerShape`): the Llama-like kinds (attention, dense MLP, MoE)
+are the calibrated ones; MLA, gated attention, shared experts, Gated DeltaNet and
+Mamba2 are priced by the same rules with first-order counts (:mod:`.mixers`,
+:mod:`.recurrent_mixers`, :mod:`.layer_terms`): estimates, not calibrated on a GPU.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..core.tiling import SINK_DIMS, TILED_LOSS_LOGITS
+from ..core.tiling import TILED_LOSS_LOGITS
 from .gpus import Gpu
 from .host_settings import DEQUANTIZED_BYTES, NF4_BYTES, nf4_bytes
-from .model_specs import ModelSpec
+from .layer_kinds import MOE, LayerShape
+from .layer_terms import (
+    default_layer,
+    elementwise_bytes,
+    mlp_forward_flops,
+    saved_bytes,
+    tiled_layer_bytes,
+)
+from .model_shape import ModelSpec
+from .op_bytes import FP32, HALF, NORM_BYTES
 
 MATMUL_EFFICIENCY = 0.82
 ATTENTION_EFFICIENCY = 0.6
@@ -31,11 +44,6 @@ itself is bounded, :func:`tiled_head_bytes`)."""
 LOSS_CHUNK_TOKENS = 4096
 """Tokens per chunk of the head's loss (``roundpipe.hf.decoder.LOSS_CHUNK_TOKENS``)."""
 
-HALF, FP32 = 2, 4
-NORM_BYTES = 36  # HF RMSNorm per element: upcast, square, mean, scale, downcast, weight
-ROTARY_BYTES = 20  # x*cos + rotate_half(x)*sin
-SWIGLU_BYTES = 10  # silu(gate) * up
-RESIDUAL_BYTES = 6
 LOSS_FORWARD_BYTES = 12  # per logit: half logits, fp32 log-softmax (calibrated: eager is ~16)
 LOSS_BACKWARD_BYTES = 8  # per logit: softmax gradient, downcast (calibrated)
 ATTENTION_BACKWARD = 2.5
@@ -86,22 +94,27 @@ def layer_cost(
     lora_rank: int,
     quantized: bool = False,
     seq_chunk: int | None = None,
+    layer: LayerShape | None = None,
 ) -> UnitCost:
-    """A decoder layer: attention (full or over a sliding ``window``) and MLP or MoE;
+    """A decoder layer of kind ``layer`` (default: attention, full or over a sliding
+    ``window``, and the model's MLP or MoE block): its mixer and feed-forward block;
     ``quantized``: its frozen linear weights uploaded in NF4 and dequantized on the GPU;
     ``seq_chunk``: its MLP and norms tiled in chunks of that many tokens (the memory of
     :func:`tiled_layer_bytes`, and one more forward of each chunk in the backward)."""
+    shape = layer or default_layer(spec, window)
+    mixer = spec.mixer(shape.mixer)
     frozen = lora_rank > 0
-    h, q, kv = spec.hidden_size, spec.q_width, spec.kv_width
-    dense_linear = h * (2 * q + 2 * kv) + 3 * h * spec.intermediate_size + spec.router_params
-    adapters = spec.lora_layer_params(lora_rank)
+    dense_linear = spec.dense_linear_params(shape)
+    adapters = spec.lora_params_of(shape, lora_rank)
     matmul = 2 * tokens * (dense_linear + adapters)
     matmul_backward = 2 * tokens * (dense_linear * (1 if frozen else 2) + 2 * adapters)
-    attention = 4 * tokens * _context(seq_len, window) * q
-    elementwise = tokens * _elementwise_bytes(spec)
-    experts_fwd, experts_bwd = _expert_times(spec, kernels, tokens, frozen)
-    nf4 = spec.linear_weight_params if quantized else 0
-    dequantize = dequantize_time(dequantized_params(spec, tokens), kernels) if quantized else 0.0
+    attention = mixer.sequence_flops(tokens, seq_len, window)
+    elementwise = tokens * elementwise_bytes(spec, shape)
+    experts_fwd, experts_bwd = _expert_times(spec, kernels, tokens, frozen, shape)
+    nf4 = spec.linear_weights_of(shape) if quantized else 0
+    dequantize = 0.0
+    if quantized:
+        dequantize = dequantize_time(dequantized_params(spec, tokens, shape), kernels)
     forward = (
         matmul / kernels.matmul_speed
         + attention / kernels.attention_speed
@@ -119,40 +132,18 @@ def layer_cost(
         + experts_bwd
         + dequantize
     )
-    activations = int(ACTIVATION_FACTOR * tokens * _saved_bytes(spec, frozen, lora_rank > 0))
+    activations = int(ACTIVATION_FACTOR * tokens * saved_bytes(spec, shape, frozen, frozen))
     if seq_chunk is not None:
-        activations = tiled_layer_bytes(spec, tokens, seq_chunk)
-        backward += tokens * _mlp_forward_flops(spec) / kernels.matmul_speed
-        if spec.sinks or window is not None:  # attention in pieces, recomputed too
-            backward += attention / kernels.attention_speed
+        activations = tiled_layer_bytes(spec, tokens, seq_chunk, shape)
+        backward += tokens * mlp_forward_flops(spec, shape) / kernels.matmul_speed
+        if mixer.attends and (mixer.sinks or window is not None):  # attention in pieces
+            backward += attention / kernels.attention_speed  # recomputed too
     return UnitCost(
         forward,
         backward,
-        (spec.layer_params - nf4 + adapters) * HALF + nf4_bytes(nf4),
+        (spec.layer_params_of(shape) - nf4 + adapters) * HALF + nf4_bytes(nf4),
         activations,
     )
-
-
-def tiled_layer_bytes(spec: ModelSpec, tokens: int, chunk: int) -> int:
-    """Device bytes of a decoder layer's backward over ``tokens`` with its MLP and norms
-    tiled in chunks of ``chunk`` tokens (docs/design.md#long-context), besides its
-    weights and gradients: what grows with the sequence, per token, plus one chunk's
-    working set. Measured on the emulated device (tests/test_long_context.py)."""
-    h, q, kv = spec.hidden_size, spec.q_width, spec.kv_width
-    # At the peak, the attention's backward: the saved input, the incoming gradient,
-    # the first norm's output, the two residual sums, the next backward job's saved
-    # input already uploaded (hidden size); the rotated queries
-    # and keys, the values, the attention output and the gradients of all four (query
-    # and key-value sizes); the log-sum-exp, the rotary tables; with per-head norms,
-    # their inputs (kept by their tiles).
-    per_token = HALF * (6 * h + 4 * q + 4 * kv) + FP32 * spec.num_heads
-    per_token += 2 * HALF * spec.head_dim
-    if spec.qk_norm:
-        per_token += HALF * (q + kv)
-    if spec.sinks:  # an example's recompute with the sink dimensions (calibrated)
-        per_token += HALF * 3 * (q + kv) * (spec.head_dim + SINK_DIMS) // spec.head_dim
-    # one tiled chunk's working set, counted as if beside it (an upper bound)
-    return tokens * per_token + min(tokens, chunk) * _chunk_bytes_per_token(spec)
 
 
 def tiled_head_bytes(spec: ModelSpec, tokens: int, chunk: int) -> int:
@@ -165,29 +156,19 @@ def tiled_head_bytes(spec: ModelSpec, tokens: int, chunk: int) -> int:
     return tokens * 5 * HALF * h + loss_chunk * v * TILED_LOSS_BYTES_PER_LOGIT + norm_chunk
 
 
-def _chunk_bytes_per_token(spec: ModelSpec) -> int:
-    """One tiled chunk's working set per token, the largest of: an MLP's gate, up and
-    activation outputs and their gradients (the routed experts' in an MoE layer) beside
-    a norm's float32 copies; the per-head norms' float32 copies."""
-    width = spec.intermediate_size or spec.experts_per_token * spec.moe_intermediate_size
-    mlp = 6 * HALF * width + 6 * FP32 * spec.hidden_size
-    heads = 6 * FP32 * (spec.q_width + spec.kv_width) if spec.qk_norm else 0
-    return max(mlp, heads)
-
-
-def _mlp_forward_flops(spec: ModelSpec) -> int:
-    """Matmul flops per token of the MLP's forward (the routed experts' in an MoE)."""
-    width = spec.intermediate_size or spec.experts_per_token * spec.moe_intermediate_size
-    return 2 * 3 * spec.hidden_size * width
-
-
-def dequantized_params(spec: ModelSpec, tokens: int) -> int:
-    """The NF4 weights one pass of a layer over ``tokens`` dequantizes: all but the
-    experts no token is routed to (a microbatch of training reaches them all)."""
-    if not spec.is_moe:
-        return spec.linear_weight_params
+def dequantized_params(spec: ModelSpec, tokens: int, layer: LayerShape | None = None) -> int:
+    """The NF4 weights one pass of a layer (default: the largest) over ``tokens``
+    dequantizes: all but the routed experts no token is routed to (a microbatch of
+    training reaches them all)."""
+    if layer is None:
+        shapes = dict.fromkeys(spec.layer_shapes)
+        layer = max(shapes, key=spec.linear_weights_of)
+    weights = spec.linear_weights_of(layer)
+    if layer.ffn != MOE:
+        return weights
     idle = spec.num_experts - min(spec.num_experts, tokens * spec.experts_per_token)
-    return spec.linear_weight_params - idle * 3 * spec.hidden_size * spec.moe_intermediate_size
+    matrices = 3 if spec.mlp_gated else 2
+    return weights - idle * matrices * spec.hidden_size * spec.moe_intermediate_size
 
 
 def dequantize_time(num_params: int, kernels: Kernels) -> float:
@@ -230,34 +211,12 @@ def embedding_cost(spec: ModelSpec, kernels: Kernels, tokens: int, frozen: bool)
     )
 
 
-def _context(seq_len: int, window: int | None) -> float:
-    """Average number of keys a query attends to (causal, maybe windowed)."""
-    full = (seq_len + 1) / 2
-    if window is None or window >= seq_len:
-        return full
-    return window * (1 - window / (2 * seq_len))
-
-
-def _elementwise_bytes(spec: ModelSpec) -> int:
-    """Forward bytes read and written per token by the layer's memory-bound ops."""
-    h, q, kv = spec.hidden_size, spec.q_width, spec.kv_width
-    norms = NORM_BYTES * (2 * h + (q + kv if spec.qk_norm else 0))
-    attention = ROTARY_BYTES * (q + kv) + 2 * HALF * (2 * q + 2 * kv)  # rotary, layout copies
-    residuals = 2 * RESIDUAL_BYTES * h
-    if not spec.is_moe:
-        return norms + attention + residuals + SWIGLU_BYTES * spec.intermediate_size
-    k = spec.experts_per_token
-    routing = 3 * FP32 * spec.num_experts  # router softmax and top-k
-    gather_combine = k * (2 * HALF * h + 2 * FP32 * h)  # copy inputs in, weighted sum out
-    experts = k * SWIGLU_BYTES * spec.moe_intermediate_size
-    return norms + attention + residuals + routing + gather_combine + experts
-
-
 def _expert_times(
-    spec: ModelSpec, kernels: Kernels, tokens: int, frozen: bool
+    spec: ModelSpec, kernels: Kernels, tokens: int, frozen: bool, layer: LayerShape
 ) -> tuple[float, float]:
-    """Forward and backward seconds of an MoE layer's expert GEMMs (0 for a dense layer)."""
-    if not spec.is_moe:
+    """Forward and backward seconds of an MoE layer's routed expert GEMMs (0 for a
+    dense layer; shared experts are dense matmuls over every token)."""
+    if layer.ffn != MOE:
         return 0.0, 0.0
     routed = tokens * spec.experts_per_token
     used = min(spec.num_experts, routed)
@@ -270,27 +229,3 @@ def _expert_times(
         return forward, forward + overhead
     # input and weight gradients: read the weights, write their gradients
     return forward, 2 * flops / kernels.matmul_speed + 2 * weights + 2 * overhead
-
-
-def _saved_bytes(spec: ModelSpec, frozen: bool, adapted: bool) -> int:
-    """Bytes per token a layer keeps for its backward, plus its backward's gradients."""
-    h, q, kv = spec.hidden_size, spec.q_width, spec.kv_width
-    attention_inputs = (not frozen) or adapted  # q/k/v/o save their inputs
-    mlp_inputs = (not frozen) or (adapted and not spec.is_moe)
-    # each norm keeps its fp32 input, and its output where a linear saves it as input
-    norms = 2 * FP32 * h + HALF * h * (attention_inputs + (mlp_inputs or not frozen))
-    if spec.qk_norm:
-        norms += (FP32 + HALF) * (q + kv)
-    attention = HALF * (2 * q + 2 * kv) + (HALF * q if attention_inputs else 0)
-    attention_grads = HALF * (2 * q + 2 * kv)
-    if not spec.is_moe:
-        i = spec.intermediate_size
-        mlp = HALF * 3 * i + (HALF * i if mlp_inputs else 0)
-        grads = max(attention_grads, HALF * 3 * i)
-        return norms + attention + mlp + grads + HALF * h
-    k, i = spec.experts_per_token, spec.moe_intermediate_size
-    per_expert_token = HALF * 3 * i + HALF * h + (HALF * (i + h) if mlp_inputs else 0)
-    routing = FP32 * spec.num_experts
-    # backward runs the experts one after another: one expert's gradients at a time
-    grads = max(attention_grads, k * HALF * h)
-    return norms + attention + routing + k * per_expert_token + grads + HALF * h
