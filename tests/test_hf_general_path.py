@@ -218,6 +218,8 @@ def test_an_empty_container_every_layer_is_handed_is_fresh_for_each_and_must_sta
     writer = build(SharesAnEmptyDict)
     for layer in writer.model.layers:
         layer.__class__ = WritesIntoTheSharedDict
-    with roundpipe.from_hf(writer, devices="emulated:2") as pipe:
-        with pytest.raises(UnsupportedModel, match="a decoder layer wrote into the dict"):
-            pipe.forward_backward(input_kwargs=data)
+    with (
+        roundpipe.from_hf(writer, devices="emulated:2") as pipe,
+        pytest.raises(UnsupportedModel, match="a decoder layer wrote into the dict"),
+    ):
+        pipe.forward_backward(input_kwargs=data)
