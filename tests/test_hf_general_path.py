@@ -223,3 +223,14 @@ def test_an_empty_container_every_layer_is_handed_is_fresh_for_each_and_must_sta
         pytest.raises(UnsupportedModel, match="a decoder layer wrote into the dict"),
     ):
         pipe.forward_backward(input_kwargs=data)
+
+
+def test_the_router_loss_of_a_moe_model_on_the_general_path_is_refused_not_dropped():
+    """transformers adds it to the loss; the general path does not compute it yet."""
+    config = transformers.MixtralConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+        num_experts_per_tok=2, output_router_logits=True,
+    )  # fmt: skip
+    with pytest.raises(UnsupportedModel, match=r"output_router_logits=True"):
+        roundpipe.from_hf(transformers.MixtralForCausalLM(config), devices="emulated:1")

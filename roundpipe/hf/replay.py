@@ -279,6 +279,14 @@ def replayed_layers(causal_lm: nn.Module, chunk_tokens: int) -> nn.Sequential:
     """``causal_lm`` as RoundPipe layers on the general path: a :class:`Prologue`, one
     :class:`ReplayedLayer` per decoder layer and a :class:`ReplayedHead`."""
     structure = find_structure(causal_lm)
+    config = causal_lm.config
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if getattr(text, "output_router_logits", False):
+        raise UnsupportedModel(
+            f"model_type {config.model_type!r} asks for the MoE router loss "
+            "(output_router_logits=True), which roundpipe computes for Qwen3-MoE and GPT-OSS "
+            "only so far; set config.output_router_logits = False to train without it"
+        )
     layers = decoder_layer_modules(causal_lm, structure)
     prologue = Prologue(causal_lm, structure)
     prologue.probe()

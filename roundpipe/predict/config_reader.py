@@ -48,6 +48,7 @@ _UNPRICED = {
     "altup_num_inputs": "Gemma 3n's AltUp streams",
     "index_n_heads": "DeepSeek sparse attention's indexer (DeepSeek-V3.2, GLM-5)",
     "linear_attn_config": "Kimi Delta Attention layers",
+    "moe_latent_size": "latent mixture-of-experts projections (Nemotron 3)",
 }
 """Config entries whose non-empty value means layers the predictor does not price."""
 _COMMON_MIXERS = {
@@ -117,7 +118,7 @@ def _fields(values: dict, model_type: str) -> dict:
     mixers, ffns = _layer_kinds(values, model_type, bool(experts))
     num_layers = len(mixers)
     windows = sum(m == SLIDING_ATTENTION for m in mixers)
-    first_dense = values.get("first_k_dense_replace") or 0 if experts else 0
+    first_dense = (values.get("first_k_dense_replace") or 0) if experts else 0
     dense_mlp = values.get("intermediate_size") or 0
     fields = {
         "hidden_size": hidden,
@@ -140,6 +141,7 @@ def _fields(values: dict, model_type: str) -> dict:
         "first_k_dense_replace": first_dense,
         "norms_per_layer": 1 if model_type.startswith("nemotron_h") else 2,
         "mlp_gated": not model_type.startswith("nemotron_h"),
+        "fused_projections": model_type == "phi3",
     }
     if model_type.startswith(("gemma2", "gemma3", "gemma4")):
         fields["norms_per_layer"] = 4  # pre and post norms around attention and MLP

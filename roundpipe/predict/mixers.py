@@ -43,6 +43,11 @@ class Mixer:
         return ()
 
     @property
+    def adapted(self) -> Linears:
+        """The linear layers LoRA adapts (PEFT's ``all-linear``)."""
+        return self.linears
+
+    @property
     def params(self) -> int:
         return 0
 

@@ -82,6 +82,8 @@ class ModelSpec:
     """A sigmoid gate (hidden x 1) on the shared expert's output (Qwen)."""
     mlp_gated: bool = True
     """Gate, up and down projections (SwiGLU, GeGLU); else up and down (relu^2)."""
+    fused_projections: bool = False
+    """One qkv_proj and one gate_up_proj (Phi-3): LoRA adapts each as one linear."""
     norms_per_layer: int = 2
     """Hidden-size norms per layer (Gemma's sandwich norms: 4; Nemotron-H: 1)."""
     attention_bias: bool = False
@@ -303,16 +305,24 @@ class ModelSpec:
 
     def adapted_linears(self, layer: LayerShape) -> Linears:
         """The linear layers LoRA adapts (PEFT's ``all-linear``): the mixer's
-        projections, a dense MLP's, the shared experts' (the routed experts' stacked
-        weights keep none, as PEFT's defaults for fused expert weights do)."""
-        h = self.hidden_size
+        projections, a dense MLP's, the shared experts' and their gate (the routed
+        experts' stacked weights keep none, as the paper's runs had it)."""
+        h, mixer = self.hidden_size, self.mixer(layer.mixer)
         width = self.intermediate_size if layer.ffn == DENSE else 0
+        gate = []
         if layer.ffn == MOE:
             width = self.shared_width
+            gate = [(h, 1)] if self.shared_expert_gate and width else []
         mlp = [(h, width), (h, width), (width, h)] if width else []
         if width and not self.mlp_gated:
             mlp = mlp[1:]
-        return (*self.mixer(layer.mixer).linears, *mlp)
+        if not self.fused_projections:
+            return (*mixer.adapted, *mlp, *gate)
+        # Phi-3's one qkv_proj and one gate_up_proj: an adapter each
+        q, kv, o = mixer.adapted[0], mixer.adapted[1:-1], mixer.adapted[-1]
+        qkv = (h, q[1] + sum(out for _, out in kv))
+        mlp = [(h, 2 * width), (width, h)] if width else []
+        return (qkv, o, *mlp, *gate)
 
     def lora_params_of(self, layer: LayerShape, rank: int) -> int:
         """Adapter parameters of one layer: rank x (in + out) per adapted linear."""

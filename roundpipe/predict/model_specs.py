@@ -82,7 +82,7 @@ NEW_PRESETS = (
     ),
     ModelSpec("Llama-3.3-70B", 8192, 28672, 80, 64, 8, 128, 128256),
     # microsoft/phi-4 (Phi3ForCausalLM: fused qkv and gate_up, the same weights)
-    ModelSpec("Phi-4", 5120, 17920, 40, 40, 10, 128, 100352),
+    ModelSpec("Phi-4", 5120, 17920, 40, 40, 10, 128, 100352, fused_projections=True),
     # deepseek-ai/DeepSeek-V3: MLA, 3 dense layers, then 256 routed + 1 shared experts
     ModelSpec(
         "DeepSeek-V3", 7168, 18432, 61, 128, 128, 192, 129280,

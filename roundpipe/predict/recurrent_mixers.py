@@ -165,6 +165,11 @@ class Mamba2(Mixer):
         return ((self.hidden, self.in_width), (self.inner, self.hidden))
 
     @property
+    def adapted(self) -> Linears:
+        """``in_proj`` only: PEFT refuses adapters on a Mamba model's ``out_proj``."""
+        return self.linears[:1]
+
+    @property
     def params(self) -> int:
         conv = self.conv_width * (self.conv_kernel + (1 if self.conv_bias else 0))
         return self.linear_params + conv + 3 * self.heads + (self.inner if self.norm else 0)
@@ -217,6 +222,10 @@ class Parallel(Mixer):
     @property
     def linears(self) -> Linears:
         return (*self.first.linears, *self.second.linears)
+
+    @property
+    def adapted(self) -> Linears:
+        return (*self.first.adapted, *self.second.adapted)
 
     @property
     def params(self) -> int:
