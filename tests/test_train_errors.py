@@ -24,7 +24,7 @@ from support.train_bad_models import (  # noqa: E402
     truncated_copy,
 )
 from support.train_cli import COMMON, run_train  # noqa: E402
-from support.train_fixtures import build_model_dir  # noqa: E402
+from support.train_fixtures import architecture_dir, build_model_dir  # noqa: E402
 
 from roundpipe.cli import main  # noqa: E402
 
@@ -53,6 +53,7 @@ def broken(train_files) -> dict[str, Path]:
     unknown_key.write_text("lora-rank: 8\n")
     return {"no_tokenizer": no_tokenizer, "no_weights": no_weights, "bin_only": bin_only,
             "bad_data": bad_data, "unknown_key": unknown_key, "t5": t5_dir(root / "t5"),
+            "glm5": architecture_dir("glm_moe_dsa", root / "glm5"),
             "bert": bert_dir(root / "bert"), "mxfp4": mxfp4_gpt_oss_dir(root / "mxfp4"),
             "truncated": truncated_copy(train_files["model"], root / "truncated")}  # fmt: skip
 
@@ -78,6 +79,10 @@ ERRORS = {  # options changed or added to a good command line, and the message e
     "unknown yaml key": ({"--config": "{unknown_key}"}, "unknown option 'lora-rank'"),
     "T5": ({"--model": "{t5}"}, "model_type 't5' is an encoder-decoder model"),
     "BERT": ({"--model": "{bert}"}, "model_type 'bert': no list of decoder layers"),
+    "GLM-5": (
+        {"--model": "{glm5}", "--full": None},
+        "model_type 'glm_moe_dsa': its decoder passes a value one layer returns to the next",
+    ),
     "lora targets naming no module": ({"--lora-targets": "qproj"}, "'qproj' names no module"),
     "a lora target naming no module": ({"--lora-targets": "q_proj,v_prj"}, "'v_prj' names no"),
     "truncated weights": ({"--model": "{truncated}"}, "model.safetensors is truncated"),

@@ -16,26 +16,12 @@ import torch
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
-from support.architectures import architecture  # noqa: E402
 from support.train_cli import COMMON, metrics, run_train  # noqa: E402
-from support.train_fixtures import build_tokenizer  # noqa: E402
+from support.train_fixtures import architecture_dir  # noqa: E402
 
 from roundpipe.cli import main  # noqa: E402
 
 FAMILIES = ["gemma3_text", "granitemoehybrid", "deepseek_v3", "qwen3_5_vlm"]
-
-
-def save_family(name: str, directory):
-    """The catalogue's tiny model with the test tokenizer's vocabulary, saved with it."""
-    tokenizer = build_tokenizer()
-    model = architecture(name).build()
-    model.resize_token_embeddings(len(tokenizer))
-    for config in (model.config, model.config.get_text_config()):
-        config.pad_token_id = tokenizer.pad_token_id
-        config.eos_token_id = tokenizer.eos_token_id
-    model.save_pretrained(directory)
-    tokenizer.save_pretrained(directory)
-    return directory
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +30,7 @@ def runs(train_files, tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("families")
     found = {}
     for name in FAMILIES:
-        model = save_family(name, root / name / "model")
+        model = architecture_dir(name, root / name / "model")
         output = root / name / "out"
         done = run_train(
             "--model", model, "--data", train_files["messages"], "--output", output,

@@ -279,14 +279,7 @@ def replayed_layers(causal_lm: nn.Module, chunk_tokens: int) -> nn.Sequential:
     """``causal_lm`` as RoundPipe layers on the general path: a :class:`Prologue`, one
     :class:`ReplayedLayer` per decoder layer and a :class:`ReplayedHead`."""
     structure = find_structure(causal_lm)
-    config = causal_lm.config
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    if getattr(text, "output_router_logits", False):
-        raise UnsupportedModel(
-            f"model_type {config.model_type!r} asks for the MoE router loss "
-            "(output_router_logits=True), which roundpipe computes for Qwen3-MoE and GPT-OSS "
-            "only so far; set config.output_router_logits = False to train without it"
-        )
+    _refuse_router_loss(causal_lm.config)
     layers = decoder_layer_modules(causal_lm, structure)
     prologue = Prologue(causal_lm, structure)
     prologue.probe()
@@ -295,3 +288,28 @@ def replayed_layers(causal_lm: nn.Module, chunk_tokens: int) -> nn.Sequential:
         *(ReplayedLayer(layer, causal_lm.config) for layer in layers),
         ReplayedHead(causal_lm, structure, chunk_tokens),
     )
+
+
+def _refuse_router_loss(config) -> None:
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if getattr(text, "output_router_logits", False):
+        raise UnsupportedModel(
+            f"model_type {config.model_type!r} asks for the MoE router loss "
+            "(output_router_logits=True), which roundpipe computes for Qwen3-MoE and GPT-OSS "
+            "only so far; set config.output_router_logits = False to train without it"
+        )
+
+
+def check_replayable(causal_lm: nn.Module) -> None:
+    """What ``from_hf`` checks of a general-path model, for one still on the ``meta``
+    device (``roundpipe train``'s checks before loading): the prologue's tensors become
+    empty host tensors (only their shapes matter to the recording; the embedding's pages
+    are never touched but for the rows looked up) and a two-token batch is recorded.
+    ``causal_lm`` is left unusable."""
+    _refuse_router_loss(causal_lm.config)
+    prologue = Prologue(causal_lm, find_structure(causal_lm))
+    prologue.to_empty(device="cpu")
+    with torch.no_grad():
+        for buffer in prologue.buffers():
+            buffer.zero_()
+    prologue.probe()

@@ -32,20 +32,21 @@ _QWEN35_DELTANET = {  # Qwen3.5's Gated DeltaNet layers: 16 key heads, dims 128,
 # does not load, are not counted). Values marked "unsure" are from memory of the
 # config and only checked against the published parameter count.
 NEW_PRESETS = (
-    # Qwen/Qwen3.5-9B text_config: 3 Gated DeltaNet layers, then gated attention
+    # Qwen/Qwen3.5-9B text_config (transformers' Qwen3_5TextConfig defaults are its
+    # values): 3 Gated DeltaNet layers, then one gated attention layer
     ModelSpec(
         "Qwen3.5-9B", 4096, 12288, 32, 16, 4, 256, 248320,
-        tie_word_embeddings=False,  # unsure: the smaller Qwen3.5 models tie
         layer_types=_every(4, FULL_ATTENTION, LINEAR_ATTENTION, 32),
         linear_num_value_heads=32,
         **_QWEN35_DELTANET,
     ),
     ModelSpec(
-        "Qwen3.5-27B", 5120, 17408, 64, 24, 4, 256, 248320,
+        "Qwen3.5-27B", 5120, 17408, 64, 24, 4, 256, 248320,  # unsure: the 24 heads
         layer_types=_every(4, FULL_ATTENTION, LINEAR_ATTENTION, 64),
-        linear_num_value_heads=48,
+        linear_num_value_heads=48,  # unsure
         **_QWEN35_DELTANET,
     ),
+    # Qwen/Qwen3.5-35B-A3B (transformers' Qwen3_5MoeTextConfig defaults): all MoE
     ModelSpec(
         "Qwen3.5-35B-A3B", 2048, 0, 40, 16, 2, 256, 248320,
         num_experts=256,
@@ -69,7 +70,7 @@ NEW_PRESETS = (
     ),
     # google/gemma-4-31B text_config: global layers with 512-wide heads, 4 key heads
     # that are also the values (no v_proj)
-    ModelSpec(
+    ModelSpec(  # unsure: the width 21504 and the 16 key-value heads of local layers
         "Gemma-4-31B", 5376, 21504, 60, 32, 16, 256, 262144, True,
         sliding_window=1024,
         window_layers=50,

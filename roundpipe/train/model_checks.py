@@ -43,7 +43,24 @@ def check_model(options: TrainOptions, source: ModelSource) -> Any:
         raise UsageError(f"{flag}: {error}") from error
     if not options.full:
         _check_lora_targets(empty, options, source.name)
+    _check_replayable(empty, flag)
     return config
+
+
+def _check_replayable(empty, flag: str) -> None:
+    """A model the general path cannot replay is refused now, not after loading."""
+    from ..hf.families import own_adapter
+    from ..hf.replay import check_replayable
+    from ..hf.structure import text_model
+
+    causal_lm = text_model(empty)
+    if own_adapter(causal_lm) is not None:
+        return
+    try:
+        with quiet_transformers():
+            check_replayable(causal_lm)  # leaves the empty model unusable: checked last
+    except ValueError as error:
+        raise UsageError(f"{flag}: {error}") from error
 
 
 def lora_config(options: TrainOptions):

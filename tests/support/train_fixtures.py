@@ -71,6 +71,22 @@ def build_model_dir(directory: Path, seed: int = 0, with_tokenizer: bool = True)
     return Path(directory)
 
 
+def architecture_dir(name: str, directory: Path) -> Path:
+    """The architecture catalogue's tiny ``name`` model with :func:`build_tokenizer`'s
+    vocabulary, saved with that tokenizer."""
+    from .architectures import architecture
+
+    tokenizer = build_tokenizer()
+    model = architecture(name).build()
+    model.resize_token_embeddings(len(tokenizer))
+    for config in (model.config, model.config.get_text_config()):
+        config.pad_token_id = tokenizer.pad_token_id
+        config.eos_token_id = tokenizer.eos_token_id
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return Path(directory)
+
+
 def _counting(rng: random.Random) -> tuple[int, int]:
     start = rng.randrange(0, 10)
     return start, start + rng.randrange(3, 6)
