@@ -171,3 +171,10 @@ def test_a_capacity_nothing_fits_is_refused_before_training():
     with pytest.raises(UsageError, match="does not fit the smallest device"):
         fit_sequences(pipe, _options(8192, precision="bf16"), Ranks())
     assert pipe._session.closed
+
+
+def test_a_model_on_the_general_path_keeps_its_layers_as_they_are():
+    """Only our own adapter's layers tile; the general path's are the model's own."""
+    gemma = {**LLAMA_8B, "model_type": "gemma3_text"}
+    setting = sequence_setting(gemma, 131072, 1, [GPU_24GB] * 8, "bf16")
+    assert setting.seq_chunk_tokens is None and not setting.finest

@@ -12,8 +12,13 @@ Pure logic on top of the planner and the simulator, no devices
 - ``lean_fit``: ``lean_fit``, the lean setting that fits the host RAM when the run's
   own does not.
 - ``nf4_uploads``: ``upload_savings``, what an NF4 base saves on the PCIe links.
-- ``unit_costs``: seconds and bytes of each pipeline unit, calibrated.
-- ``model_specs``: ``ModelSpec``, the shapes and parameter counts of a decoder.
+- ``unit_costs``: seconds and bytes of each pipeline unit, calibrated; ``layer_terms``,
+  a layer's per-token bytes by kind.
+- ``model_specs``: the named presets and ``ModelSpec`` (``model_shape``: the shapes and
+  parameter counts of a decoder; ``config_reader``: read from a Hugging Face config;
+  ``layer_kinds``: each layer's token mixer and feed-forward block).
+- ``mixers``, ``recurrent_mixers``: token mixers priced per token (attention, MLA;
+  Gated DeltaNet, Mamba2), ``op_bytes`` the bytes their ops move.
 - ``gpus``: GPU, precision and PCIe presets.
 - ``simulate_command``: the ``roundpipe simulate`` subcommand; ``model_mode``, its
   model-level mode.

@@ -92,7 +92,11 @@ def add_simulate_parser(commands: Any) -> argparse.ArgumentParser:
     model.add_argument(
         "--model", help=f"preset: {', '.join(s.name for s in MODEL_PRESETS.values())}"
     )
-    model.add_argument("--config", type=Path, help="a Hugging Face config.json (dense or MoE)")
+    model.add_argument(
+        "--config",
+        type=Path,
+        help="a Hugging Face config.json (dense, MoE, MLA, hybrid; a VLM's text model)",
+    )
     model.add_argument("--gpu", default="rtx4090", help=f"preset: {', '.join(GPU_PRESETS)}")
     model.add_argument("--precision", choices=PRECISIONS, default="bf16")
     model.add_argument("--pcie", type=int, choices=sorted(PCIE_BANDWIDTH), help="PCIe generation")

@@ -61,7 +61,8 @@ def sequence_setting(
     devices of ``capacities`` bytes (``None``: unbounded, nothing to decide)."""
     if not capacities or None in capacities:
         return SequenceSetting()
-    if getattr(model_config, "model_type", None) not in FAMILIES:
+    values = model_config.to_dict() if hasattr(model_config, "to_dict") else dict(model_config)
+    if values.get("model_type") not in FAMILIES:
         return SequenceSetting()  # the general path has no tiled layers (README "Status")
     try:
         spec = ModelSpec.from_config(model_config)
