@@ -14,6 +14,9 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from support import architectures  # noqa: E402
+from support.architectures import hf_loss_and_grads  # noqa: E402
+
 import roundpipe  # noqa: E402
 from roundpipe import RoundPipeRunConfig  # noqa: E402
 
@@ -64,25 +67,7 @@ def build(family: str):
 
 
 def padded_batch(rows: int = 5, length: int = 10, side: str = "right", seed: int = 0):
-    generator = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, VOCAB, (rows, length), generator=generator)
-    mask = torch.ones_like(ids)
-    for row in range(rows):
-        pad = (row * 3) % (length - 3)  # rows of different lengths, one unpadded
-        if pad:
-            if side == "right":
-                mask[row, length - pad :] = 0
-            else:
-                mask[row, :pad] = 0
-    labels = ids.masked_fill(mask == 0, -100)
-    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
-
-
-def hf_loss_and_grads(model, batch, **kwargs):
-    reference = copy.deepcopy(model)
-    loss = reference(**batch, **kwargs).loss
-    loss.backward()
-    return loss.detach(), {n: p.grad for n, p in reference.named_parameters()}
+    return architectures.padded_batch(rows, length, side, seed, vocab=VOCAB)
 
 
 def assert_trains_as_hf(model, batch, config, devices: str = "emulated:2") -> None:

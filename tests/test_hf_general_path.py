@@ -17,14 +17,13 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from test_hf_from_hf import COMMON, VOCAB  # noqa: E402
 from transformers.modeling_outputs import BaseModelOutputWithPast  # noqa: E402
 
 import roundpipe  # noqa: E402
 from roundpipe import RoundPipeRunConfig  # noqa: E402
 from roundpipe.hf import UnsupportedModel  # noqa: E402
 from roundpipe.hf.replay import Prologue, ReplayedHead, ReplayedLayer  # noqa: E402
-
-VOCAB = 64
 
 
 class PlainConfig(transformers.LlamaConfig):
@@ -34,17 +33,7 @@ class PlainConfig(transformers.LlamaConfig):
 def build(decoder_class=None, **extra):
     """Llama's layers under a model type our own adapter does not know; with
     ``decoder_class``, a decoder whose ``forward`` is that class's."""
-    config = PlainConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        attn_implementation="sdpa",
-        **extra,
-    )
+    config = PlainConfig(**COMMON, **extra)
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(config)
     if decoder_class is not None:
@@ -234,3 +223,10 @@ def test_the_router_loss_of_a_moe_model_on_the_general_path_is_refused_not_dropp
     )  # fmt: skip
     with pytest.raises(UnsupportedModel, match=r"output_router_logits=True"):
         roundpipe.from_hf(transformers.MixtralForCausalLM(config), devices="emulated:1")
+
+
+def test_the_model_types_that_tile_are_our_own_adapters_families():
+    from roundpipe.core.tiling import TILED_MODEL_TYPES
+    from roundpipe.hf.families import FAMILIES
+
+    assert set(FAMILIES) == TILED_MODEL_TYPES

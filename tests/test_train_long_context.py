@@ -178,3 +178,15 @@ def test_a_model_on_the_general_path_keeps_its_layers_as_they_are():
     gemma = {**LLAMA_8B, "model_type": "gemma3_text"}
     setting = sequence_setting(gemma, 131072, 1, [GPU_24GB] * 8, "bf16")
     assert setting.seq_chunk_tokens is None and not setting.finest
+
+
+def test_the_longest_sequence_of_a_general_path_model_is_the_untiled_laws():
+    gpu = replace(gpu_preset("rtx4090"), memory_bytes=GPU_24GB)
+    work = Workload(2048, 1)
+    own = ModelSpec.from_config(LLAMA_8B)
+    assert own.tiled_layers
+    assert not ModelSpec.from_config({**LLAMA_8B, "model_type": "gemma3_text"}).tiled_layers
+    general = replace(own, tiled_layers=False)
+    untiled = max_seq_len(own, gpu, work, seq_chunk_tokens=None).max_seq_len
+    assert max_seq_len(general, gpu, work).max_seq_len == untiled
+    assert max_seq_len(own, gpu, work).max_seq_len > untiled

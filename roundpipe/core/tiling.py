@@ -20,6 +20,11 @@ TILED_LOSS_LOGITS = 2**26
 """With sequence tiling, the most logits one chunk of a ``from_hf`` model's loss
 computes at once (about 1.3 GB in its backward: 512 tokens of a 128K vocabulary)."""
 
+TILED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "gpt_oss"})
+"""The ``model_type``s whose ``from_hf`` layers tile (our own adapter's families,
+``roundpipe.hf.families.FAMILIES``, kept equal by a test); every other model runs its
+own layers as they are, untiled (docs/design.md#the-general-decoder-path)."""
+
 SINK_DIMS = 8
 """Extra head dimensions that carry an attention sink through SDPA
 (``roundpipe.hf.attention``; a multiple of 8 keeps fused kernels)."""

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from ..core.tiling import TILED_MODEL_TYPES
 from .layer_kinds import (
     ATTENTION_MAMBA,
     DENSE,
@@ -93,9 +94,11 @@ def spec_fields(config: Mapping) -> dict:
     """The :class:`~.model_shape.ModelSpec` fields (all but its name) of ``config``."""
     values = text_values(config)
     try:
-        return _fields(values, values.get("model_type") or "")
+        fields = _fields(values, values.get("model_type") or "")
     except KeyError as missing:
         raise ValueError(f"the model config has no {missing} entry") from None
+    # a vision-language model takes the general path, whatever its text model
+    return {**fields, "tiled_layers": config.get("model_type") in TILED_MODEL_TYPES}
 
 
 def _fields(values: dict, model_type: str) -> dict:

@@ -26,6 +26,7 @@ from .layer_kinds import (
     MIXERS,
     MOE,
     NO_FFN,
+    SLIDING_ATTENTION,
     LayerShape,
     alternating_windows,
     check_kinds,
@@ -64,6 +65,9 @@ class ModelSpec:
     sinks: bool = False
     """A learned sink logit per attention head (gpt-oss): its attention runs through
     ``roundpipe.hf.attention``'s sink path."""
+    tiled_layers: bool = True
+    """``roundpipe.from_hf`` tiles its layers for long sequences (its ``model_type`` is in
+    ``core.tiling.TILED_MODEL_TYPES``); the others' longest sequence is the untiled law's."""
     layer_types: tuple[str, ...] = ()
     """Each layer's token mixer (``layer_kinds.MIXERS``); empty: ``window_layers``
     sliding layers, alternating from the first, the rest full attention."""
@@ -186,7 +190,7 @@ class ModelSpec:
             return self._mamba()
         if kind == ATTENTION_MAMBA:
             return Parallel(self._attention(global_layer=False), self._mamba())
-        if kind in MIXERS[:2]:
+        if kind in (FULL_ATTENTION, SLIDING_ATTENTION):
             return self._attention(global_layer=kind == FULL_ATTENTION)
         return Mixer()
 

@@ -30,7 +30,9 @@ _QWEN35_DELTANET = {  # Qwen3.5's Gated DeltaNet layers: 16 key heads, dims 128,
 # Presets beyond the paper's models, from their config.json as published (text model
 # only for the vision-language ones; multi-token-prediction layers, which Hugging Face
 # does not load, are not counted). Values marked "unsure" are from memory of the
-# config and only checked against the published parameter count.
+# config and only checked against the published parameter count. All but Llama take
+# roundpipe's general path (Mistral Small 3.2 ships as a vision-language model): their
+# layers do not tile (``tiled_layers=False``).
 NEW_PRESETS = (
     # Qwen/Qwen3.5-9B text_config (transformers' Qwen3_5TextConfig defaults are its
     # values): 3 Gated DeltaNet layers, then one gated attention layer
@@ -39,12 +41,14 @@ NEW_PRESETS = (
         layer_types=_every(4, FULL_ATTENTION, LINEAR_ATTENTION, 32),
         linear_num_value_heads=32,
         **_QWEN35_DELTANET,
+        tiled_layers=False,
     ),
     ModelSpec(
         "Qwen3.5-27B", 5120, 17408, 64, 24, 4, 256, 248320,  # unsure: the 24 heads
         layer_types=_every(4, FULL_ATTENTION, LINEAR_ATTENTION, 64),
         linear_num_value_heads=48,  # unsure
         **_QWEN35_DELTANET,
+        tiled_layers=False,
     ),
     # Qwen/Qwen3.5-35B-A3B (transformers' Qwen3_5MoeTextConfig defaults): all MoE
     ModelSpec(
@@ -58,6 +62,7 @@ NEW_PRESETS = (
         layer_types=_every(4, FULL_ATTENTION, LINEAR_ATTENTION, 40),
         linear_num_value_heads=32,
         **_QWEN35_DELTANET,
+        tiled_layers=False,
     ),
     # google/gemma-3-27b-pt text_config: 5 sliding (1024) : 1 global, sandwich norms
     ModelSpec(
@@ -67,6 +72,7 @@ NEW_PRESETS = (
         layer_types=_every(6, FULL_ATTENTION, SLIDING_ATTENTION, 62),
         qk_norm=True,
         norms_per_layer=4,
+        tiled_layers=False,
     ),
     # google/gemma-4-31B text_config: global layers with 512-wide heads, 4 key heads
     # that are also the values (no v_proj)
@@ -80,10 +86,12 @@ NEW_PRESETS = (
         global_head_dim=512,
         global_kv_heads=4,  # unsure: num_global_key_value_heads
         attention_k_eq_v=True,
+        tiled_layers=False,
     ),
     ModelSpec("Llama-3.3-70B", 8192, 28672, 80, 64, 8, 128, 128256),
     # microsoft/phi-4 (Phi3ForCausalLM: fused qkv and gate_up, the same weights)
-    ModelSpec("Phi-4", 5120, 17920, 40, 40, 10, 128, 100352, fused_projections=True),
+    ModelSpec("Phi-4", 5120, 17920, 40, 40, 10, 128, 100352, fused_projections=True,
+              tiled_layers=False),
     # deepseek-ai/DeepSeek-V3: MLA, 3 dense layers, then 256 routed + 1 shared experts
     ModelSpec(
         "DeepSeek-V3", 7168, 18432, 61, 128, 128, 192, 129280,
@@ -97,6 +105,7 @@ NEW_PRESETS = (
         qk_rope_head_dim=64,
         qk_nope_head_dim=128,
         v_head_dim=128,
+        tiled_layers=False,
     ),
     # zai-org/GLM-4.5-Air: biases on q, k, v; 1 dense layer, 128 routed + 1 shared
     ModelSpec(
@@ -107,9 +116,10 @@ NEW_PRESETS = (
         first_k_dense_replace=1,
         n_shared_experts=1,
         qkv_bias=True,
+        tiled_layers=False,
     ),
     # mistralai/Mistral-Small-3.2-24B-Instruct-2506 text_config
-    ModelSpec("Mistral-Small-3.2-24B", 5120, 32768, 40, 32, 8, 128, 131072),
+    ModelSpec("Mistral-Small-3.2-24B", 5120, 32768, 40, 32, 8, 128, 131072, tiled_layers=False),
 )  # fmt: skip
 
 MODEL_PRESETS: dict[str, ModelSpec] = {

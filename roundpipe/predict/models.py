@@ -271,7 +271,11 @@ def max_seq_len(
     """The longest sequence that trains at batch 1 with one layer per stage (the plan
     that needs least GPU memory: each layer recomputed alone from its saved input),
     layers tiled in chunks of ``seq_chunk_tokens`` (``None``: untiled, the paper's
-    law), against the GPU and, when ``host_ram`` is given, the host's RAM."""
+    law; always for a spec without ``tiled_layers``), against the GPU and, when
+    ``host_ram`` is given, the host's RAM."""
+
+    if not spec.tiled_layers:
+        seq_chunk_tokens = None  # the general path runs the model's own layers
 
     def measure(seq_len: int) -> MemoryAt:
         return memory_at(spec, gpu, work, seq_len, seq_chunk_tokens)

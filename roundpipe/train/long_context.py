@@ -14,7 +14,6 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from ..core.tiling import DEFAULT_SEQ_CHUNK_TOKENS
-from ..hf.families import FAMILIES
 from ..predict.breakdown import finest_plan
 from ..predict.gpus import gpu_preset
 from ..predict.host_settings import LeanSettings
@@ -61,13 +60,12 @@ def sequence_setting(
     devices of ``capacities`` bytes (``None``: unbounded, nothing to decide)."""
     if not capacities or None in capacities:
         return SequenceSetting()
-    values = model_config.to_dict() if hasattr(model_config, "to_dict") else dict(model_config)
-    if values.get("model_type") not in FAMILIES:
-        return SequenceSetting()  # the general path has no tiled layers (README "Status")
     try:
         spec = ModelSpec.from_config(model_config)
     except ValueError:  # a config the predictor cannot read: leave the layers as they are
         return SequenceSetting()
+    if not spec.tiled_layers:
+        return SequenceSetting()  # the general path runs the model's own layers, untiled
     # the predictions are for 16-bit weights and activations: fp32 needs twice the bytes
     tokens = rows * seq_len * _PRECISION_BYTES.get(precision or "bf16", 2) // 2
     smallest = min(capacities)

@@ -346,11 +346,13 @@ def architecture(name: str) -> Architecture:
     raise KeyError(name)
 
 
-def padded_batch(rows: int = 5, length: int = 10, side: str = "right", seed: int = 0) -> dict:
-    """Random ids below ``VOCAB``; rows of different lengths (row 0 unpadded), padded on
+def padded_batch(
+    rows: int = 5, length: int = 10, side: str = "right", seed: int = 0, vocab: int = VOCAB
+) -> dict:
+    """Random ids below ``vocab``; rows of different lengths (row 0 unpadded), padded on
     ``side``; labels -100 at the pads."""
     generator = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, VOCAB, (rows, length), generator=generator)
+    ids = torch.randint(0, vocab, (rows, length), generator=generator)
     mask = torch.ones_like(ids)
     for row in range(rows):
         pad = (row * 3) % (length - 3)
@@ -372,10 +374,10 @@ def prompt_masked(batch: dict, prompt: int = 3) -> dict:
     return {**batch, "labels": labels}
 
 
-def hf_loss_and_grads(model, batch: dict) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """``model(**batch, use_cache=False).loss`` and every parameter's gradient, on a
-    deep copy of ``model``."""
+def hf_loss_and_grads(model, batch: dict, **kwargs) -> tuple[torch.Tensor, dict]:
+    """``model(**batch, **kwargs).loss`` and every parameter's gradient, on a deep copy
+    of ``model``."""
     reference = copy.deepcopy(model)
-    loss = reference(**batch, use_cache=False).loss
+    loss = reference(**batch, **kwargs).loss
     loss.backward()
     return loss.detach(), {n: p.grad for n, p in reference.named_parameters()}
