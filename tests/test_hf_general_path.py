@@ -83,14 +83,25 @@ class ScalesTheIndexedOutput(transformers.LlamaModel):
 
 
 class PassesValuesOn(transformers.LlamaModel):
+    """Hands each layer's second output to the next layer (as GLM-5's layers hand their
+    indexer's top-k on)."""
+
     def forward(self, input_ids=None, **_):
         hidden = self.embed_tokens(input_ids)
         positions = torch.arange(hidden.shape[1]).unsqueeze(0)
         rotary = self.rotary_emb(hidden, positions)
-        extra = None
+        carry = None
         for layer in self.layers:
-            hidden, extra = layer(hidden, position_embeddings=rotary, extra=extra)
+            hidden, carry = layer(hidden, position_embeddings=rotary, carry=carry)
         return BaseModelOutputWithPast(last_hidden_state=self.norm(hidden))
+
+
+class ReturnsAValue(transformers.models.llama.modeling_llama.LlamaDecoderLayer):
+    def forward(self, hidden_states, carry=None, **kwargs):
+        hidden = super().forward(hidden_states, **kwargs)
+        if carry is not None:
+            hidden = hidden + carry
+        return hidden, hidden.tanh().mean(dim=-1, keepdim=True)
 
 
 class ScalesAfterTheNorm(transformers.LlamaModel):
@@ -167,14 +178,12 @@ def test_logits_without_labels_are_the_models():
     [
         (ScalesBetweenLayers, "does more than pass each layer's output to the next"),
         (ScalesTheIndexedOutput, "changes the hidden state between layers 0 and 1"),
-        (PassesValuesOn, "passes a value one layer returns to the next layer"),
         (ScalesAfterTheNorm, "not its final norm of the last layer's output"),
         (SharesAFilledDict, "share an argument of type dict"),
     ],
     ids=[
         "hidden changed",
         "indexed output changed",
-        "values passed on",
         "epilogue",
         "side channel",
     ],
@@ -230,3 +239,30 @@ def test_the_model_types_that_tile_are_our_own_adapters_families():
     from roundpipe.hf.families import FAMILIES
 
     assert set(FAMILIES) == TILED_MODEL_TYPES
+
+
+def test_values_a_layer_returns_for_the_next_travel_with_the_hidden_state():
+    model = build(PassesValuesOn)
+    for layer in model.model.layers:
+        layer.__class__ = ReturnsAValue
+    reference = copy.deepcopy(model)
+    data = batch("left")
+    want = reference(**data).loss
+    want.backward()
+    config = RoundPipeRunConfig(num_microbatch=3)  # 3 layers on 2 devices: a value crosses
+    with roundpipe.from_hf(model, devices="emulated:2", model_run_config=config) as pipe:
+        loss = pipe.forward_backward(input_kwargs=data)
+        pipe.synchronize()
+    torch.testing.assert_close(loss.detach(), want.detach(), rtol=1e-5, atol=1e-6)
+    expected = dict(reference.named_parameters())
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(param.grad, expected[name].grad, rtol=1e-4, atol=1e-6)
+
+
+def test_a_layer_that_returns_fewer_values_than_its_decoder_hands_on_is_refused():
+    model = build(PassesValuesOn)  # Llama's layers return the hidden state alone
+    with (
+        roundpipe.from_hf(model, devices="emulated:1") as pipe,
+        pytest.raises(UnsupportedModel, match=r"layer 0 returned 1 value\(s\), but its decoder"),
+    ):
+        pipe.forward_backward(input_kwargs=batch("right"))

@@ -49,8 +49,8 @@ class NormStub(nn.Module):
 
 
 class Unused:
-    """Fills a :class:`Passed` beyond the hidden state (a layer's attention weights); a
-    layer called with one was handed a value the previous layer returned."""
+    """Fills a :class:`Passed` beyond the hidden state (a layer's attention weights, or
+    a value the decoder hands a later layer: then recorded as :class:`FromLayer`)."""
 
 
 class Passed(tuple):
@@ -108,9 +108,10 @@ def recording(arity: int) -> Iterator[Recorder]:
 
 @dataclass(frozen=True)
 class LayerCall:
-    """How to call one layer: where the hidden state goes (a position, or a keyword) and
-    the indices into :attr:`Carried.values` of its other arguments."""
+    """How to call layer ``layer``: where the hidden state goes (a position, or a
+    keyword) and the indices into :attr:`Carried.values` of its other arguments."""
 
+    layer: int
     hidden_at: int | str
     positional: tuple[int, ...]
     keywords: tuple[tuple[str, int], ...]
@@ -127,15 +128,25 @@ class Carried:
     labels: torch.Tensor | None
 
 
-def carried(hidden, recorded: list[tuple[tuple, dict]], labels, model_type: str) -> Carried:
+def carried(hidden, recorder: Recorder, labels, model_type: str) -> Carried:
+    """What the recorded calls carry: each distinct argument once (by identity), an
+    output of one layer that the decoder hands a later one as :class:`FromLayer`."""
     values: list = []
     index: dict[int, int] = {}
+    outputs = {
+        id(item): FromLayer(layer, position)
+        for layer, passed in enumerate(recorder.returned)
+        for position, item in enumerate(passed)
+        if isinstance(item, Unused)
+    }
 
     def slot(value) -> int:
         if id(value) not in index:
             index[id(value)] = len(values)
-            values.append(_travelling(value, model_type))
+            values.append(outputs.get(id(value)) or _travelling(value, model_type))
         return index[id(value)]
+
+    recorded = recorder.calls
 
     calls = []
     for args, kwargs in recorded:
@@ -146,12 +157,22 @@ def carried(hidden, recorded: list[tuple[tuple, dict]], labels, model_type: str)
             words = {k: v for k, v in kwargs.items() if k != "hidden_states"}
         calls.append(
             LayerCall(
+                len(calls),
                 at,
                 tuple(slot(v) for v in rest),
                 tuple((k, slot(v)) for k, v in words.items()),
             )
         )
     return Carried(hidden, tuple(values), tuple(calls), labels)
+
+
+@dataclass(frozen=True)
+class FromLayer:
+    """Carried in place of output ``position`` of layer ``layer`` until that layer has
+    run (GLM-5's layers hand their indexer's top-k to the next)."""
+
+    layer: int
+    position: int
 
 
 @dataclass(frozen=True)
@@ -171,11 +192,6 @@ def _travelling(value, model_type: str):
         return value
     if type(value) is tuple:
         return tuple(_travelling(item, model_type) for item in value)
-    if isinstance(value, Unused):
-        raise UnsupportedModel(
-            f"model_type {model_type!r}: its decoder passes a value one layer returns to "
-            "the next layer, which roundpipe's general path cannot replay yet"
-        )
     if isinstance(value, MutableMapping | list) and not value:
         return FreshEmpty(type(value))
     raise UnsupportedModel(
@@ -213,17 +229,33 @@ def check_still_empty(given: list, model_type: str, writes_unread: bool) -> None
             )
 
 
-def after_layer(state: Carried, hidden: torch.Tensor) -> Carried:
-    """``state`` after its first layer ran: its call gone, values nobody needs dropped."""
+def after_layer(state: Carried, out, model_type: str) -> Carried:
+    """``state`` after its first layer ran and returned ``out``: its call gone, the
+    layer's outputs a later layer takes in place of their :class:`FromLayer`, values
+    nobody needs dropped."""
+    ran = state.calls[0].layer
+    outputs = out if isinstance(out, tuple) else (out,)
+    values = list(state.values)
+    for i, value in enumerate(values):
+        if isinstance(value, FromLayer) and value.layer == ran:
+            if value.position >= len(outputs):
+                raise UnsupportedModel(
+                    f"model_type {model_type!r}: decoder layer {ran} returned "
+                    f"{len(outputs)} value(s), but its decoder hands output "
+                    f"{value.position} of it to a later layer"
+                )
+            values[i] = outputs[value.position]
+    hidden = outputs[0]
     calls = state.calls[1:]
     used = sorted({i for c in calls for i in (*c.positional, *(i for _, i in c.keywords))})
     renumber = {old: new for new, old in enumerate(used)}
     calls = tuple(
         LayerCall(
+            c.layer,
             c.hidden_at,
             tuple(renumber[i] for i in c.positional),
             tuple((k, renumber[i]) for k, i in c.keywords),
         )
         for c in calls
     )
-    return Carried(hidden, tuple(state.values[i] for i in used), calls, state.labels)
+    return Carried(hidden, tuple(values[i] for i in used), calls, state.labels)

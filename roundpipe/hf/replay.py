@@ -93,7 +93,7 @@ class Prologue(nn.Module):
         self._check(recorder, out)
         first_args, first_kwargs = recorder.calls[0]
         hidden = first_args[0] if first_args else first_kwargs["hidden_states"]
-        return carried(hidden, recorder.calls, labels, self.model_type)
+        return carried(hidden, recorder, labels, self.model_type)
 
     def probe(self) -> None:
         """Record a two-token batch on the host, so a decoder the general path cannot
@@ -193,7 +193,7 @@ class ReplayedLayer(nn.Module):
         else:
             out = self.layer(*args, **{call.hidden_at: state.hidden}, **kwargs)
         check_still_empty([*args, *kwargs.values()], self.model_type, self.writes_unread)
-        return after_layer(state, out[0] if isinstance(out, tuple) else out)
+        return after_layer(state, out, self.model_type)
 
 
 class _HiddenOnly(dict):

@@ -16,7 +16,6 @@ REFUSED = {
     "gemma3n_text": "num_kv_shared_layers=3: its last layers reuse the keys and values",
     "gemma4_text": "num_kv_shared_layers=3: its last layers reuse the keys and values",
     "gemma4_vlm": "num_kv_shared_layers=3: its last layers reuse the keys and values",
-    "glm_moe_dsa": "passes a value one layer returns to the next layer",
     "deepseek_v4": "does more than pass each layer's output to the next",
 }
 """Architecture → why ``from_hf`` refuses it (the message it must contain)."""
