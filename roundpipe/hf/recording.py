@@ -56,10 +56,16 @@ class Unused:
 class Passed(tuple):
     """What a layer stub returns: ``(hidden, Unused(), ...)`` as long as the decoder code
     unpacks (``arity``), so ``output[0]`` is the hidden state; other attributes are the
-    hidden state's (``output.shape``), for decoder code that uses the output itself."""
+    hidden state's (``output.shape``, ``output[:, positions]``), for decoder code that
+    uses the output itself."""
 
     def __getattr__(self, name):
         return getattr(self[0], name)
+
+    def __getitem__(self, key):
+        if isinstance(key, int | slice):
+            return tuple.__getitem__(self, key)
+        return self[0][key]  # the hidden state indexed (Gemma 4: a whole-sequence view)
 
 
 class Recorder:
@@ -176,57 +182,43 @@ class FromLayer:
 
 
 @dataclass(frozen=True)
-class FreshEmpty:
-    """Carried for an empty mutable container every layer was handed (Gemma 4's
-    ``shared_kv_states`` when no layer shares keys and values): each replayed layer gets
-    a new empty one, and a layer that writes into it is refused (:func:`fresh_value`)."""
+class SharedContainer:
+    """Carried for a container every layer is handed empty and may write into (Gemma 4
+    E-series' ``shared_kv_states``: layers store their keys and values, later layers
+    read them): its contents travel between stages, so a layer in a later stage reads
+    what an earlier one wrote, and gradients flow back through them."""
 
     kind: type
+    contents: dict
+
+    def open(self):
+        """The container a layer is called with: a new one of the model's type."""
+        return self.kind(self.contents) if self.contents else self.kind()
+
+    def after(self, container, keep: bool) -> SharedContainer:
+        """What travels on once a layer has run with ``container``: what it holds now
+        (``keep``), or still nothing (the model's config says no layer reads it)."""
+        if not keep or len(container) == len(self.contents):
+            return self
+        return SharedContainer(self.kind, dict(container))
 
 
-def _travelling(value, model_type: str):
+def _travelling(value, model_type: str, top: bool = True):
     """``value`` as it travels: tensors, plain values and tuples of them as they are; an
-    empty container as :class:`FreshEmpty`. Anything else shared by the layers is a side
-    channel between them, which stages cannot carry."""
+    empty container every layer is handed as a :class:`SharedContainer`. Anything else
+    shared by the layers is a side channel between them, which stages cannot carry."""
     if isinstance(value, (torch.Tensor, *_PLAIN)):
         return value
     if type(value) is tuple:
-        return tuple(_travelling(item, model_type) for item in value)
-    if isinstance(value, MutableMapping | list) and not value:
-        return FreshEmpty(type(value))
+        return tuple(_travelling(item, model_type, top=False) for item in value)
+    if top and isinstance(value, MutableMapping) and not value:
+        return SharedContainer(type(value), {})
     raise UnsupportedModel(
         f"model_type {model_type!r}: its decoder layers share an argument of type "
         f"{type(value).__name__} (a side channel between layers, e.g. shared keys and "
         "values), which pipeline stages cannot carry; roundpipe does not train this "
         "model yet"
     )
-
-
-def fresh_value(value):
-    """A recorded value as a layer is called with it (a new container for a
-    :class:`FreshEmpty`)."""
-    if isinstance(value, FreshEmpty):
-        return value.kind()
-    if type(value) is tuple:
-        return tuple(fresh_value(item) for item in value)
-    return value
-
-
-def check_still_empty(given: list, model_type: str, writes_unread: bool) -> None:
-    """Refuse a layer that wrote into a container it was given fresh: a later layer
-    would read what it wrote (a side channel between layers), unless the model's config
-    says none does (``writes_unread``: Gemma 4 with ``num_kv_shared_layers=0`` still
-    stores keys and values there, for assistant models outside the model)."""
-    if writes_unread:
-        return
-    for value in given:
-        if isinstance(value, MutableMapping | list) and value:
-            raise UnsupportedModel(
-                f"model_type {model_type!r}: a decoder layer wrote into the "
-                f"{type(value).__name__} every layer is handed (a side channel between "
-                "layers, e.g. shared keys and values), which pipeline stages cannot carry; "
-                "roundpipe does not train this model yet"
-            )
 
 
 def after_layer(state: Carried, out, model_type: str) -> Carried:

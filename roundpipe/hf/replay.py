@@ -22,6 +22,7 @@ docs/design.md#the-general-decoder-path.
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 
 import torch
 from torch import nn
@@ -35,11 +36,10 @@ from .recording import (
     NormStub,
     Passed,
     Recorder,
+    SharedContainer,
     after_layer,
     carried,
-    check_still_empty,
     copy_plain_attributes,
-    fresh_value,
     recording,
 )
 from .structure import (
@@ -149,7 +149,9 @@ class Prologue(nn.Module):
 
 
 def _is(value, passed: Passed) -> bool:
-    return value is passed or value is passed[0]
+    """``value`` is what a layer stub returned, its hidden state, or a view of that of
+    the same shape (Gemma 4 slices the whole sequence before its shared layers)."""
+    return value is passed or _same(value, passed[0])
 
 
 def _same(final, tensor: torch.Tensor) -> bool:
@@ -182,18 +184,30 @@ class ReplayedLayer(nn.Module):
         self.layer = layer
         self.model_type = config.model_type
         text = config.get_text_config() if hasattr(config, "get_text_config") else config
-        self.writes_unread = getattr(text, "num_kv_shared_layers", None) == 0
+        self.keep_writes = getattr(text, "num_kv_shared_layers", None) != 0
+        """Whether what a layer writes into a shared container travels on: not where
+        the config says no layer reads it (Gemma 4 without shared layers still stores
+        keys and values there, for assistant models outside the model)."""
 
     def forward(self, state: Carried) -> Carried:
-        call, values = state.calls[0], state.values
-        args = [fresh_value(values[i]) for i in call.positional]
-        kwargs = {k: fresh_value(values[i]) for k, i in call.keywords}
+        call, values = state.calls[0], list(state.values)
+        opened: dict[int, object] = {}
+
+        def argument(slot: int):
+            if isinstance(values[slot], SharedContainer):
+                opened.setdefault(slot, values[slot].open())
+                return opened[slot]
+            return values[slot]
+
+        args = [argument(i) for i in call.positional]
+        kwargs = {k: argument(i) for k, i in call.keywords}
         if call.hidden_at == 0:
             out = self.layer(state.hidden, *args, **kwargs)
         else:
             out = self.layer(*args, **{call.hidden_at: state.hidden}, **kwargs)
-        check_still_empty([*args, *kwargs.values()], self.model_type, self.writes_unread)
-        return after_layer(state, out, self.model_type)
+        for slot, container in opened.items():
+            values[slot] = values[slot].after(container, self.keep_writes)
+        return after_layer(replace(state, values=tuple(values)), out, self.model_type)
 
 
 class _HiddenOnly(dict):

@@ -108,21 +108,11 @@ def find_structure(causal_lm: nn.Module) -> Structure:
 
 
 def check_config(config) -> None:
-    """Refuse, by its ``model_type``, a config no decoder-only model is built from, or
-    one whose layers share keys and values (Gemma 3n, Gemma 4 E2B/E4B: later layers read
-    what earlier ones wrote into a shared container, which stages cannot carry yet)."""
+    """Refuse, by its ``model_type``, a config no decoder-only model is built from."""
     if getattr(config, "is_encoder_decoder", False):
         raise UnsupportedModel(
             f"model_type {config.model_type!r} is an encoder-decoder model; roundpipe "
             "trains decoder-only causal LMs (and vision-language models on text)"
-        )
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    if getattr(text, "num_kv_shared_layers", 0):
-        raise UnsupportedModel(
-            f"model_type {config.model_type!r} with num_kv_shared_layers="
-            f"{text.num_kv_shared_layers}: its last layers reuse the keys and values of "
-            "earlier ones, which roundpipe does not carry between pipeline stages yet; the "
-            "variants without shared layers train"
         )
 
 

@@ -41,8 +41,8 @@ Model-level: --model Qwen3-8B (or --config config.json) with --gpu rtx4090
   whether each fits (--lora R, --precision, --pcie, --host-ram, --host-bandwidth;
   the host's lean settings --optimizer-states, --master-weights, --quantize nf4,
   and which of them fits when the host RAM does not);
-  --max-seq-len answers only the longest sequence that fits (tiled layers) and what
-  bounds it; --nodes K
+  --max-seq-len answers only the longest sequence that fits (tiled layers where
+  roundpipe tiles the model's) and what bounds it; --nodes K
   --network-gbps G predicts RoundPipe on K such boxes (data parallel), --scaling for
   K = 1, 2, 4, ... 64.
 """
@@ -134,8 +134,8 @@ def add_simulate_parser(commands: Any) -> argparse.ArgumentParser:
         "--max-seq-len",
         action="store_true",
         help="only the longest sequence that fits at batch 1 (every layer's input saved, "
-        "MLPs and norms tiled), what bounds it and the host RAM it needs (judged against "
-        "--host-ram when given)",
+        "MLPs and norms tiled for the families roundpipe tiles), what bounds it and the "
+        "host RAM it needs (judged against --host-ram when given)",
     )
     nodes = sim.add_argument_group(
         "across nodes (model-level, RoundPipe only)",

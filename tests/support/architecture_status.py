@@ -13,9 +13,7 @@ from roundpipe.hf.families import FAMILIES
 from .architectures import ARCHITECTURES
 
 REFUSED = {
-    "gemma3n_text": "num_kv_shared_layers=3: its last layers reuse the keys and values",
-    "gemma4_text": "num_kv_shared_layers=3: its last layers reuse the keys and values",
-    "gemma4_vlm": "num_kv_shared_layers=3: its last layers reuse the keys and values",
+    "gemma3n_text": "does more than pass each layer's output to the next",
     "deepseek_v4": "does more than pass each layer's output to the next",
 }
 """Architecture → why ``from_hf`` refuses it (the message it must contain)."""
