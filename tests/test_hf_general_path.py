@@ -10,14 +10,12 @@ before anything is allocated.
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
 
-from test_hf_from_hf import COMMON, VOCAB  # noqa: E402
+from test_hf_from_hf import COMMON, VOCAB, assert_trains_as_hf  # noqa: E402
 from transformers.modeling_outputs import BaseModelOutputWithPast  # noqa: E402
 
 import roundpipe  # noqa: E402
@@ -134,20 +132,10 @@ class WritesIntoTheSharedDict(transformers.models.llama.modeling_llama.LlamaDeco
 
 def test_a_model_type_outside_the_families_takes_the_general_path_and_trains_exactly():
     model = build()
-    reference = copy.deepcopy(model)
-    data = batch("left")
-    want = reference(**data, use_cache=False).loss
-    want.backward()
-    config = RoundPipeRunConfig(num_microbatch=3)
-    with roundpipe.from_hf(model, devices="emulated:2", model_run_config=config) as pipe:
+    with roundpipe.from_hf(model, devices="emulated:1") as pipe:
         kinds = [type(layer) for layer in pipe.model]
-        loss = pipe.forward_backward(input_kwargs=data)
-        pipe.synchronize()
     assert kinds == [Prologue, ReplayedLayer, ReplayedLayer, ReplayedLayer, ReplayedHead]
-    torch.testing.assert_close(loss.detach(), want.detach(), rtol=1e-5, atol=1e-6)
-    expected = dict(reference.named_parameters())
-    for name, param in model.named_parameters():
-        torch.testing.assert_close(param.grad, expected[name].grad, rtol=1e-4, atol=1e-6)
+    assert_trains_as_hf(model, batch("left"), RoundPipeRunConfig(num_microbatch=3))
 
 
 def test_wrapping_changes_neither_the_model_nor_the_global_random_state():
@@ -219,18 +207,7 @@ def test_a_container_every_layer_is_handed_carries_what_layers_write_into_it(wri
     if writes:
         for layer in model.model.layers:
             layer.__class__ = WritesIntoTheSharedDict
-    reference = copy.deepcopy(model)
-    data = batch("left")
-    want = reference(**data).loss
-    want.backward()
-    config = RoundPipeRunConfig(num_microbatch=3)
-    with roundpipe.from_hf(model, devices="emulated:2", model_run_config=config) as pipe:
-        loss = pipe.forward_backward(input_kwargs=data)
-        pipe.synchronize()
-    torch.testing.assert_close(loss.detach(), want.detach(), rtol=1e-5, atol=1e-6)
-    expected = dict(reference.named_parameters())
-    for name, param in model.named_parameters():
-        torch.testing.assert_close(param.grad, expected[name].grad, rtol=1e-4, atol=1e-6)
+    assert_trains_as_hf(model, batch("left"), RoundPipeRunConfig(num_microbatch=3))
 
 
 def test_the_router_loss_of_a_moe_model_on_the_general_path_is_refused_not_dropped():
@@ -255,18 +232,7 @@ def test_values_a_layer_returns_for_the_next_travel_with_the_hidden_state():
     model = build(PassesValuesOn)
     for layer in model.model.layers:
         layer.__class__ = ReturnsAValue
-    reference = copy.deepcopy(model)
-    data = batch("left")
-    want = reference(**data).loss
-    want.backward()
-    config = RoundPipeRunConfig(num_microbatch=3)  # 3 layers on 2 devices: a value crosses
-    with roundpipe.from_hf(model, devices="emulated:2", model_run_config=config) as pipe:
-        loss = pipe.forward_backward(input_kwargs=data)
-        pipe.synchronize()
-    torch.testing.assert_close(loss.detach(), want.detach(), rtol=1e-5, atol=1e-6)
-    expected = dict(reference.named_parameters())
-    for name, param in model.named_parameters():
-        torch.testing.assert_close(param.grad, expected[name].grad, rtol=1e-4, atol=1e-6)
+    assert_trains_as_hf(model, batch("left"), RoundPipeRunConfig(num_microbatch=3))
 
 
 def test_a_layer_that_returns_fewer_values_than_its_decoder_hands_on_is_refused():
