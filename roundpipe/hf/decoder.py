@@ -24,7 +24,7 @@ from torch.utils.checkpoint import checkpoint
 from .attention import segmented_attention, segments_of
 from .families import Family, own_adapter
 from .long_context import loss_chunk_tokens, tile, tile_tokenwise
-from .replay import replayed_layers
+from .replay import padding_only_trails, replayed_layers
 from .router import (
     RouterLoss,
     add_router_sums,
@@ -116,13 +116,7 @@ class DecoderLayer(nn.Module):
         causal attention: no real token attends to a later pad, so every real token's
         output is the same, and the pads' own outputs carry no label. (Logits of pads,
         returned without labels, keep transformers' mask.)"""
-        return (
-            labels is not None
-            and attention_mask is not None
-            and attention_mask.dim() == 2
-            and self._attention_kind() is not None
-            and bool((attention_mask[:, 1:] <= attention_mask[:, :-1]).all())
-        )
+        return self._attention_kind() is not None and padding_only_trails(attention_mask, labels)
 
     def _attention_kind(self) -> str | None:
         """``"sdpa"``, ``"sinks"`` (GPT-OSS's eager attention, which ``roundpipe.hf.

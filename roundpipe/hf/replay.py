@@ -12,9 +12,10 @@ distinct value once); each :class:`ReplayedLayer` calls its layer with its own. 
 LM's own ``forward`` on a twin whose base model is a stub returning the chunk: its head
 scalars and soft-caps apply, and the logits of the whole sequence never exist.
 
-What a decoder does that cannot be replayed (the hidden state changed between layers,
-values one layer returns for the next, a final output that is not the final norm's,
-a shared mutable argument) is refused by name when the first batch is recorded.
+Values one layer returns for a later one and containers every layer writes into travel
+too (:mod:`.recording`). What a decoder does that cannot be replayed (the hidden state
+changed between layers, a final output that is not the final norm's, any other shared
+mutable argument) is refused by name when ``from_hf`` records a first batch.
 
 docs/design.md#the-general-decoder-path.
 """
@@ -132,8 +133,7 @@ class Prologue(nn.Module):
             if not _is(hidden, before):
                 raise UnsupportedModel(
                     f"{name}: its decoder changes the hidden state between layers {i - 1} "
-                    f"and {i} (or passes values from one layer to the next), which "
-                    "roundpipe's general path cannot replay"
+                    f"and {i}, which roundpipe's general path cannot replay"
                 )
         last = recorder.returned[-1]
         final = getattr(out, "last_hidden_state", None)
