@@ -242,3 +242,12 @@ def test_a_layer_that_returns_fewer_values_than_its_decoder_hands_on_is_refused(
         pytest.raises(UnsupportedModel, match=r"layer 0 returned 1 value\(s\), but its decoder"),
     ):
         pipe.forward_backward(input_kwargs=batch("right"))
+
+
+def test_sequence_tiling_on_a_general_path_model_is_refused_naming_it():
+    config = RoundPipeRunConfig(seq_chunk_tokens=4)
+    with (
+        roundpipe.from_hf(build(), devices="emulated:1", model_run_config=config) as pipe,
+        pytest.raises(ValueError, match=r"seq_chunk_tokens=4: .*'roundpipe_test_decoder'"),
+    ):
+        pipe.forward_backward(input_kwargs=batch("right"))

@@ -19,6 +19,7 @@ from ..cluster import PeerFailure
 from ..core.config import RoundPipeRunConfig
 from ..model import RoundPipe
 from .decoder import IGNORE_INDEX, model_layers
+from .families import own_adapter
 from .structure import packing_refusal, text_model
 
 
@@ -28,6 +29,8 @@ class HFRoundPipe(RoundPipe):
     max_positions: int | None = None
     packing_refusal: str | None = None
     """Why packed sequences cannot train the model (:func:`.replay.packing_refusal`)."""
+    tiles: bool = True
+    """Whether the model's layers follow ``seq_chunk_tokens`` (our own adapter's)."""
 
     @property
     def hf_model(self):
@@ -79,7 +82,7 @@ class HFRoundPipe(RoundPipe):
                 "forward_backward(input_kwargs={'input_ids': ..., 'attention_mask': ..., "
                 "'labels': ...}) without input_args, label, loss_fn or return_outputs"
             )
-        batch = self._checked_batch(input_kwargs, training=True)
+        batch = self._checked_batch(input_kwargs, training=True, run_config=run_config)
         count = self._global_label_tokens(batch["labels"])
 
         def mean_over_batch(total: torch.Tensor, _label) -> torch.Tensor:
@@ -122,7 +125,18 @@ class HFRoundPipe(RoundPipe):
         batch = self._checked_batch(kwargs, training=False)
         return super().forward(**batch)
 
-    def _checked_batch(self, kwargs: dict | None, training: bool) -> dict:
+    def _checked_batch(
+        self, kwargs: dict | None, training: bool, run_config: RoundPipeRunConfig | None = None
+    ) -> dict:
+        tiling = (run_config or self.run_config).seq_chunk_tokens
+        if tiling is not None and not self.tiles:
+            model_type = self.hf_model.config.model_type
+            raise ValueError(
+                f"seq_chunk_tokens={tiling}: the layers of model_type {model_type!r} run as "
+                "the model's own (roundpipe's general path) and do not tile; only Llama, "
+                "Mistral, Qwen2, Qwen3, Qwen3-MoE and GPT-OSS layers do. Leave "
+                "seq_chunk_tokens unset"
+            )
         batch = dict(kwargs or {})
         unknown = set(batch) - {"input_ids", "attention_mask", "position_ids", "labels"}
         if unknown:
@@ -219,6 +233,7 @@ def from_hf(model, **options) -> HFRoundPipe:
     pipe = HFRoundPipe(model_layers(causal_lm), _names_from=model, **options)
     pipe.max_positions = _max_positions(causal_lm.config)
     pipe.packing_refusal = packing_refusal(causal_lm)
+    pipe.tiles = own_adapter(causal_lm) is not None
     pipe.__dict__["_hf_model"] = model  # not a submodule: its parameters are the layers'
     pipe.training = model.training  # the mode of what was wrapped (eval after from_pretrained)
     return pipe
