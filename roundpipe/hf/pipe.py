@@ -20,6 +20,13 @@ from ..core.config import RoundPipeRunConfig
 from ..model import RoundPipe
 from .decoder import IGNORE_INDEX, model_layers
 from .families import own_adapter
+from .images import (
+    ImageLayout,
+    check_images,
+    image_layout,
+    images_refusal,
+    split_with_images,
+)
 from .structure import packing_refusal, text_model
 
 
@@ -31,6 +38,10 @@ class HFRoundPipe(RoundPipe):
     """Why packed sequences cannot train the model (:func:`.replay.packing_refusal`)."""
     tiles: bool = True
     """Whether the model's layers follow ``seq_chunk_tokens`` (our own adapter's)."""
+    image_layout: ImageLayout | None = None
+    """How the model's images stand in its batch (:mod:`.images`; ``None``: text only)."""
+    image_refusal: str | None = None
+    """Why a VLM without an image layout refuses images (:func:`.images.images_refusal`)."""
 
     @property
     def hf_model(self):
@@ -89,7 +100,9 @@ class HFRoundPipe(RoundPipe):
             return total / count
 
         return super().forward_backward(
-            input_kwargs=batch, loss_fn=mean_over_batch, run_config=run_config
+            input_kwargs=batch,
+            loss_fn=mean_over_batch,
+            run_config=self._with_images(batch, run_config),
         )
 
     def _global_label_tokens(self, labels: torch.Tensor) -> int:
@@ -111,7 +124,7 @@ class HFRoundPipe(RoundPipe):
         count = _label_tokens(batch["labels"])
         rows = batch["input_ids"].shape[0]
         config = replace(
-            self.run_config,
+            self._with_images(batch, None) or self.run_config,
             num_microbatch=min(self._microbatch_count(self.run_config), rows),
             merge_output=lambda totals: torch.stack([t.float() for t in totals]).sum(),
         )
@@ -123,7 +136,28 @@ class HFRoundPipe(RoundPipe):
         if args:
             raise TypeError("pass the batch by keyword: pipe(input_ids=..., attention_mask=...)")
         batch = self._checked_batch(kwargs, training=False)
-        return super().forward(**batch)
+        with_images = self._with_images(batch, None)
+        if with_images is None:
+            return super().forward(**batch)
+        if torch.is_grad_enabled():
+            raise ValueError(
+                "logits of a batch with images are computed under torch.no_grad() only; "
+                "train with forward_backward"
+            )
+        rows = batch["input_ids"].shape[0]
+        config = replace(
+            with_images, num_microbatch=min(self._microbatch_count(self.run_config), rows)
+        )
+        return self._forward((), batch, config)
+
+    def _with_images(self, batch: dict, run_config: RoundPipeRunConfig | None):
+        """The run config that cuts a batch with images into microbatches with their
+        rows (:func:`.images.split_with_images`), or ``run_config`` for a text batch."""
+        if "pixel_values" not in batch:
+            return run_config
+        return replace(
+            run_config or self.run_config, split_input=split_with_images(self.image_layout)
+        )
 
     def _checked_batch(
         self, kwargs: dict | None, training: bool, run_config: RoundPipeRunConfig | None = None
@@ -137,12 +171,16 @@ class HFRoundPipe(RoundPipe):
                 "Mistral, Qwen2, Qwen3, Qwen3-MoE and GPT-OSS layers do. Leave "
                 "seq_chunk_tokens unset"
             )
-        batch = dict(kwargs or {})
-        unknown = set(batch) - {"input_ids", "attention_mask", "position_ids", "labels"}
+        batch = {k: v for k, v in (kwargs or {}).items() if v is not None}
+        images = self.image_layout.inputs if self.image_layout is not None else ()
+        if "pixel_values" in batch and self.image_refusal is not None:
+            raise ValueError(self.image_refusal)
+        unknown = set(batch) - {"input_ids", "attention_mask", "position_ids", "labels", *images}
         if unknown:
             raise TypeError(
                 f"unexpected inputs {sorted(unknown)}: pass input_ids, attention_mask, "
                 "position_ids (packed sequences), labels"
+                + (f", and images as {', '.join(images)}" if images else "")
             )
         ids = batch.get("input_ids")
         if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.is_floating_point():
@@ -171,6 +209,13 @@ class HFRoundPipe(RoundPipe):
         positions = batch.get("position_ids")
         if positions is not None:
             batch["position_ids"] = self._checked_positions(positions, ids.shape, mask)
+        for name in ("mm_token_type_ids", "token_type_ids"):
+            if name in batch and (
+                not isinstance(batch[name], torch.Tensor) or batch[name].shape != ids.shape
+            ):
+                raise ValueError(f"{name} must have the shape of input_ids {tuple(ids.shape)}")
+        if self.image_layout is not None:
+            check_images(self.image_layout, batch)
         labels = batch.get("labels")
         if training and labels is None:
             raise ValueError("training needs labels (the targets; -100 marks ignored positions)")
@@ -234,6 +279,8 @@ def from_hf(model, **options) -> HFRoundPipe:
     pipe.max_positions = _max_positions(causal_lm.config)
     pipe.packing_refusal = packing_refusal(causal_lm)
     pipe.tiles = own_adapter(causal_lm) is not None
+    pipe.image_layout = image_layout(causal_lm)
+    pipe.image_refusal = None if pipe.image_layout else images_refusal(causal_lm)
     pipe.__dict__["_hf_model"] = model  # not a submodule: its parameters are the layers'
     pipe.training = model.training  # the mode of what was wrapped (eval after from_pretrained)
     return pipe

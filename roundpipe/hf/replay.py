@@ -81,7 +81,9 @@ class Prologue(nn.Module):
         """How many values the decoder code unpacks from a layer's output (found by
         :meth:`probe`: Bamba's loop takes ``hidden, attention_weights``)."""
 
-    def forward(self, input_ids, attention_mask=None, position_ids=None, labels=None):
+    def forward(self, input_ids, attention_mask=None, position_ids=None, labels=None, **images):
+        """``images``: a vision-language model's image inputs (:mod:`.images`), which its
+        own code runs through the vision tower and merges into the text."""
         if padding_only_trails(attention_mask, labels):
             attention_mask = None  # no real token attends to a later pad under a causal mask
         with recording(self.arity) as recorder:
@@ -90,6 +92,7 @@ class Prologue(nn.Module):
                 attention_mask=attention_mask,
                 position_ids=position_ids,
                 use_cache=False,
+                **images,
             )
         self._check(recorder, out)
         first_args, first_kwargs = recorder.calls[0]
