@@ -24,7 +24,7 @@ from test_hf_from_hf import assert_trains_as_hf  # noqa: E402
 import roundpipe  # noqa: E402
 from roundpipe import RoundPipeRunConfig  # noqa: E402
 
-WITH_IMAGES = ["qwen2_5_vl", "qwen3_5_vlm", "gemma3_vlm"]
+WITH_IMAGES = ["qwen2_5_vl", "qwen3_5_vlm", "qwen3_5_moe_vlm", "gemma3_vlm"]
 SPLIT = RoundPipeRunConfig(num_microbatch=3)  # rows [0, 1], [2, 3], [4]: images in two
 
 

@@ -1,6 +1,6 @@
 """Images in a vision-language model's batch, cut into microbatches with their rows.
 
-A VLM takes its images beside ``input_ids``: Qwen-VL models (Qwen2-VL … Qwen3.5) as
+A VLM takes its images beside ``input_ids``: Qwen-VL models (Qwen2.5-VL, Qwen3.5) as
 ``pixel_values`` of every image's patches one after another with ``image_grid_thw``
 (``t x h x w`` patches an image) and ``mm_token_type_ids``; Gemma 3 as one
 ``pixel_values`` entry per image with ``token_type_ids``. Each image stands in the text
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-QWEN_GRID = ("qwen2_vl", "qwen2_5_vl", "qwen3_5", "qwen3_5_moe")
+QWEN_GRID = ("qwen2_5_vl", "qwen3_5", "qwen3_5_moe")
 FIXED_TOKENS = ("gemma3",)
 NOT_YET = {
     "qwen3_vl": "its DeepStack adds vision features to the hidden states inside the "
