@@ -53,7 +53,7 @@ def broken(train_files) -> dict[str, Path]:
     unknown_key.write_text("lora-rank: 8\n")
     return {"no_tokenizer": no_tokenizer, "no_weights": no_weights, "bin_only": bin_only,
             "bad_data": bad_data, "unknown_key": unknown_key, "t5": t5_dir(root / "t5"),
-            "glm5": architecture_dir("glm_moe_dsa", root / "glm5"),
+            "gemma3n": architecture_dir("gemma3n_text", root / "gemma3n"),
             "bert": bert_dir(root / "bert"), "mxfp4": mxfp4_gpt_oss_dir(root / "mxfp4"),
             "truncated": truncated_copy(train_files["model"], root / "truncated")}  # fmt: skip
 
@@ -79,9 +79,9 @@ ERRORS = {  # options changed or added to a good command line, and the message e
     "unknown yaml key": ({"--config": "{unknown_key}"}, "unknown option 'lora-rank'"),
     "T5": ({"--model": "{t5}"}, "model_type 't5' is an encoder-decoder model"),
     "BERT": ({"--model": "{bert}"}, "model_type 'bert': no list of decoder layers"),
-    "GLM-5": (
-        {"--model": "{glm5}", "--full": None},
-        "model_type 'glm_moe_dsa': its decoder passes a value one layer returns to the next",
+    "Gemma 3n": (
+        {"--model": "{gemma3n}", "--full": None},
+        "model_type 'gemma3n_text': its decoder does more than pass each layer's output",
     ),
     "lora targets naming no module": ({"--lora-targets": "qproj"}, "'qproj' names no module"),
     "a lora target naming no module": ({"--lora-targets": "q_proj,v_prj"}, "'v_prj' names no"),
