@@ -1,8 +1,8 @@
 """``roundpipe train --model`` and ``roundpipe export --merge`` on families beyond our
 own adapter's: tiny saved checkpoints (a sliding-window Gemma 3, a Granite 4 Mamba/MoE
 hybrid, a Qwen3.5 VLM on text) train with the CLI's defaults (LoRA on every linear
-layer) and the loss falls on held-out data; a LoRA run exports a merged model that transformers loads and that
-computes what peft's own merge computes.
+layer) and the loss falls on held-out data; a LoRA run exports a merged model that
+transformers loads and that computes what peft's own merge computes.
 """
 
 from __future__ import annotations
