@@ -22,7 +22,7 @@ from torch import nn
 from .nf4 import NF4Linear
 from .nf4_experts import SUPPORTED, quantize_experts_module
 from .safetensors_io import CheckpointError
-from .structure import decoder_layers_of
+from .structure import named_modules_in_decoder_layers
 
 
 def has_conversion(model: nn.Module) -> bool:
@@ -55,9 +55,7 @@ def load_converted(directory: Path, model_class: type, torch_dtype: torch.dtype)
 def quantize_in_place(model: nn.Module) -> None:
     """Every ``nn.Linear`` and supported stacked experts module inside a decoder layer of
     ``model`` (dense host weights) replaced by its NF4 form, one at a time."""
-    layers = decoder_layers_of(model)
-    inside = {id(m) for layer in layers for m in layer.modules()}
-    for parent in [m for m in model.modules() if id(m) in inside]:
+    for _, parent in named_modules_in_decoder_layers(model):
         for name, child in list(parent.named_children()):
             if type(child) is nn.Linear:
                 parent._modules[name] = NF4Linear.from_linear(child)

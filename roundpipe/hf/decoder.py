@@ -34,7 +34,6 @@ from .router import (
     router_class,
     router_loss_of,
 )
-from .structure import find_structure
 
 IGNORE_INDEX = -100
 LOSS_CHUNK_TOKENS = 4096
@@ -243,7 +242,6 @@ def model_layers(model: nn.Module, chunk_tokens: int = LOSS_CHUNK_TOKENS) -> nn.
     as RoundPipe layers: our own adapter for its family, else the general path; a model
     neither can run raises :class:`~.replay.UnsupportedModel` (a ValueError) before
     anything is allocated."""
-    find_structure(model)
     family = own_adapter(model)
     if family is None:
         return replayed_layers(model, chunk_tokens)

@@ -30,7 +30,7 @@ from .nf4_format import (
     quantize_nf4_into,
 )
 from .safetensors_io import StoredTensor, read_into
-from .structure import decoder_layers_of
+from .structure import named_modules_in_decoder_layers
 
 QUANTIZE_CHOICES = (None, "nf4")
 """The values ``from_pretrained(quantize=...)`` takes."""
@@ -210,12 +210,9 @@ def quantize_stored(stored: StoredTensor, dtype: torch.dtype) -> tuple[torch.Ten
 
 def _decoder_linears(model: nn.Module) -> dict[str, tuple[nn.Module, str, nn.Linear]]:
     """``{weight name: (parent, attribute, linear)}`` for every ``nn.Linear`` inside a
-    decoder layer of ``model`` (:func:`.structure.decoder_layers_of`)."""
-    in_layers = {id(m) for layer in decoder_layers_of(model) for m in layer.modules()}
+    decoder layer of ``model``."""
     found = {}
-    for parent_name, parent in model.named_modules():
-        if id(parent) not in in_layers:
-            continue
+    for parent_name, parent in named_modules_in_decoder_layers(model):
         for attr, child in parent.named_children():
             if isinstance(child, nn.Linear):
                 name = f"{parent_name}.{attr}" if parent_name else attr

@@ -36,7 +36,7 @@ from .checkpoint_layout import LoadItem
 from .nf4 import dequantize
 from .nf4_format import BLOCK, CHUNK, absmax_numel, packed_numel, quantize_nf4, quantize_nf4_into
 from .safetensors_io import read_into
-from .structure import decoder_layers_of
+from .structure import named_modules_in_decoder_layers
 
 SUPPORTED = {
     "Qwen3MoeExperts": ("gate_up_proj", "down_proj"),
@@ -344,9 +344,8 @@ def _weights_of(module: nn.Module) -> tuple[str, ...]:
 
 def _decoder_experts(model: nn.Module) -> dict[str, nn.Module]:
     """``{name: module}`` for every supported experts module inside a decoder layer."""
-    in_layers = {id(m) for layer in decoder_layers_of(model) for m in layer.modules()}
     return {
         name: module
-        for name, module in model.named_modules()
-        if id(module) in in_layers and type(module).__name__ in SUPPORTED
+        for name, module in named_modules_in_decoder_layers(model)
+        if type(module).__name__ in SUPPORTED
     }

@@ -27,7 +27,7 @@ from .images import (
     images_refusal,
     split_with_images,
 )
-from .structure import packing_refusal, text_model
+from .structure import packing_refusal, text_config, text_model
 
 
 class HFRoundPipe(RoundPipe):
@@ -287,5 +287,4 @@ def from_hf(model, **options) -> HFRoundPipe:
 
 
 def _max_positions(config) -> int | None:
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    return getattr(text, "max_position_embeddings", None)
+    return getattr(text_config(config), "max_position_embeddings", None)

@@ -80,7 +80,7 @@ class Recorder:
         if index != len(self.calls):
             raise UnsupportedModel(f"the decoder called layer {index} out of order")
         self.calls.append((args, kwargs))
-        hidden = args[0] if args else kwargs.get("hidden_states")
+        hidden = hidden_of(args, kwargs)
         hidden = hidden[0] if isinstance(hidden, Passed) else hidden
         passed = Passed((hidden, *(Unused() for _ in range(self.arity - 1))))
         self.returned.append(passed)
@@ -90,6 +90,12 @@ class Recorder:
         self.norm_input = hidden
         self.norm_output = hidden[0] if isinstance(hidden, Passed) else hidden
         return self.norm_output
+
+
+def hidden_of(args: tuple, kwargs: dict):
+    """The hidden state of a recorded layer call: its first positional argument, or
+    ``hidden_states``."""
+    return args[0] if args else kwargs.get("hidden_states")
 
 
 def _recorder() -> Recorder:
@@ -152,10 +158,8 @@ def carried(hidden, recorder: Recorder, labels, model_type: str) -> Carried:
             values.append(outputs.get(id(value)) or _travelling(value, model_type))
         return index[id(value)]
 
-    recorded = recorder.calls
-
     calls = []
-    for args, kwargs in recorded:
+    for args, kwargs in recorder.calls:
         if args:
             at, rest, words = 0, args[1:], kwargs
         else:

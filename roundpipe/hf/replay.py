@@ -41,6 +41,7 @@ from .recording import (
     after_layer,
     carried,
     copy_plain_attributes,
+    hidden_of,
     recording,
 )
 from .structure import (
@@ -49,6 +50,7 @@ from .structure import (
     decoder_layer_modules,
     decoder_of,
     find_structure,
+    text_config,
     twin,
     twin_along,
 )
@@ -95,9 +97,7 @@ class Prologue(nn.Module):
                 **images,
             )
         self._check(recorder, out)
-        first_args, first_kwargs = recorder.calls[0]
-        hidden = first_args[0] if first_args else first_kwargs["hidden_states"]
-        return carried(hidden, recorder, labels, self.model_type)
+        return carried(hidden_of(*recorder.calls[0]), recorder, labels, self.model_type)
 
     def probe(self) -> None:
         """Record a two-token batch on the host, so a decoder the general path cannot
@@ -130,10 +130,7 @@ class Prologue(nn.Module):
         if not recorder.calls:
             raise UnsupportedModel(f"{name}: its decoder called no layer")
         for i in range(1, len(recorder.calls)):
-            args, kwargs = recorder.calls[i]
-            hidden = args[0] if args else kwargs.get("hidden_states")
-            before = recorder.returned[i - 1]
-            if not _is(hidden, before):
+            if not _is(hidden_of(*recorder.calls[i]), recorder.returned[i - 1]):
                 raise UnsupportedModel(
                     f"{name}: its decoder changes the hidden state between layers {i - 1} "
                     f"and {i}, which roundpipe's general path cannot replay"
@@ -186,8 +183,7 @@ class ReplayedLayer(nn.Module):
         super().__init__()
         self.layer = layer
         self.model_type = config.model_type
-        text = config.get_text_config() if hasattr(config, "get_text_config") else config
-        self.keep_writes = getattr(text, "num_kv_shared_layers", None) != 0
+        self.keep_writes = getattr(text_config(config), "num_kv_shared_layers", None) != 0
         """Whether what a layer writes into a shared container travels on: not where
         the config says no layer reads it (Gemma 4 without shared layers still stores
         keys and values there, for assistant models outside the model)."""
@@ -308,8 +304,7 @@ def replayed_layers(causal_lm: nn.Module, chunk_tokens: int) -> nn.Sequential:
 
 
 def _refuse_router_loss(config) -> None:
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    if getattr(text, "output_router_logits", False):
+    if getattr(text_config(config), "output_router_logits", False):
         raise UnsupportedModel(
             f"model_type {config.model_type!r} asks for the MoE router loss "
             "(output_router_logits=True), which roundpipe computes for Qwen3-MoE and GPT-OSS "

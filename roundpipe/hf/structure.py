@@ -102,8 +102,9 @@ def find_structure(causal_lm: nn.Module) -> Structure:
             f"model_type {model_type!r}: no list of decoder layers in "
             f"{type(decoder).__name__} (its children: {children})"
         )
-    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
-    count = getattr(text_config, "num_hidden_layers", None) or len(decoder._modules[layers_name])
+    count = getattr(text_config(config), "num_hidden_layers", None) or len(
+        decoder._modules[layers_name]
+    )
     return Structure(base_name, path, layers_name, _norm_name(decoder, layers_name), count)
 
 
@@ -151,6 +152,19 @@ def decoder_layers_of(model: nn.Module) -> list[nn.Module]:
     """The decoder layers of ``model`` (a causal LM or VLM, on any path)."""
     causal_lm = text_model(model)
     return decoder_layer_modules(causal_lm, find_structure(causal_lm))
+
+
+def named_modules_in_decoder_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """``model.named_modules()`` that lie inside one of its decoder layers (the modules
+    4-bit bases quantize: embeddings, the final norm and the LM head are outside)."""
+    inside = {id(m) for layer in decoder_layers_of(model) for m in layer.modules()}
+    return [(name, module) for name, module in model.named_modules() if id(module) in inside]
+
+
+def text_config(config):
+    """The language model's config: a composite (vision-language) config's text config,
+    else ``config`` itself."""
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
 def decoder_of(base: nn.Module, structure: Structure) -> nn.Module:
