@@ -19,11 +19,10 @@ import inspect
 import torch
 from torch import nn
 from torch.nn import functional as F
-from torch.utils.checkpoint import checkpoint
 
 from .attention import segmented_attention, segments_of
 from .families import Family, own_adapter
-from .long_context import loss_chunk_tokens, tile, tile_tokenwise
+from .long_context import IGNORE_INDEX, chunked_loss, tile, tile_tokenwise
 from .replay import padding_only_trails, replayed_layers
 from .router import (
     RouterLoss,
@@ -35,7 +34,6 @@ from .router import (
     router_loss_of,
 )
 
-IGNORE_INDEX = -100
 LOSS_CHUNK_TOKENS = 4096
 
 
@@ -186,30 +184,14 @@ class HeadLayer(nn.Module):
         hidden = self.norm(hidden)
         if labels is None:
             return self.lm_head(hidden)
-        hidden = hidden[:, :-1].reshape(-1, hidden.shape[-1])
-        targets = labels[:, 1:].reshape(-1)
-        total = hidden.new_zeros((), dtype=torch.float32)
-        chunk_tokens = loss_chunk_tokens(self.chunk_tokens, self.lm_head.weight.shape[0])
-        # The weights are passed in, not read from the module: the recompute runs in
-        # backward, when RoundPipe has already unbound the layer's device tensors.
         weight, bias = self.lm_head.weight, self.lm_head.bias
-        for start in range(0, targets.numel(), chunk_tokens):
-            piece = slice(start, start + chunk_tokens)
-            args = (hidden[piece], targets[piece], weight, bias)
-            if torch.is_grad_enabled():
-                loss = checkpoint(_chunk_loss, *args, use_reentrant=False, preserve_rng_state=False)
-            else:
-                loss = _chunk_loss(*args)
-            total = total + loss
+        total = chunked_loss(
+            hidden, labels, self.chunk_tokens, weight.shape[0], F.linear, weight, bias
+        )
         if router_sums is not None:  # weighted by this microbatch's label tokens
-            count = (targets != IGNORE_INDEX).sum()
+            count = (labels[:, 1:] != IGNORE_INDEX).sum()
             total = total + self.router_loss.coef * aux_loss(router_sums, self.router_loss) * count
         return total
-
-
-def _chunk_loss(hidden, targets, weight, bias):
-    logits = F.linear(hidden, weight, bias).float()
-    return F.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX, reduction="sum")
 
 
 def decoder_layers(

@@ -5,7 +5,8 @@
   autograd each chunk is a checkpoint recomputed in the backward, so the
   ``S x intermediate`` activations of the MLP, and the float32 copies a norm keeps,
   never exist for the whole sequence at once, only for one chunk.
-- **The loss in chunks** of at most ``TILED_LOSS_LOGITS`` logits under tiling.
+- **The loss in chunks** (:func:`chunked_loss`), of at most ``TILED_LOSS_LOGITS``
+  logits under tiling.
 
 Attention without ``S x S`` tensors is :mod:`.attention`'s.
 
@@ -16,10 +17,13 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
 
 from ..core.tiling import TILED_LOSS_LOGITS, seq_chunk_tokens
 
+IGNORE_INDEX = -100
+"""The label of a position that is not trained (transformers' convention)."""
 TOKENWISE = (
     "input_layernorm",
     "post_attention_layernorm",
@@ -70,7 +74,7 @@ class TiledForward:
         else:
             # The recompute runs in the backward, when RoundPipe has unbound the layer's
             # device tensors: they are passed in, not read from the module then.
-            names, tensors = _state(module)
+            names, tensors = module_state(module)
             outputs = [
                 checkpoint(_run_piece, module, names, piece, *tensors, use_reentrant=False)
                 for piece in pieces
@@ -93,7 +97,9 @@ def _joined(outputs: list, batch: int):
     return torch.cat(rows, dim=1).flatten(0, 1)
 
 
-def _state(module: nn.Module) -> tuple[list[str], list[torch.Tensor]]:
+def module_state(module: nn.Module) -> tuple[list[str], list[torch.Tensor]]:
+    """The names and tensors of ``module``'s parameters and buffers, to pass into a
+    recomputed piece (``torch.func.functional_call``) instead of reading the module."""
     state = {**dict(module.named_parameters()), **dict(module.named_buffers())}
     return list(state), list(state.values())
 
@@ -112,3 +118,31 @@ def loss_chunk_tokens(tokens: int, vocab_size: int) -> int:
     if seq_chunk_tokens() is None:
         return tokens
     return max(1, min(tokens, TILED_LOSS_LOGITS // max(vocab_size, 1)))
+
+
+def chunked_loss(hidden, labels, chunk_tokens: int, vocab_size: int, logits_of, *tensors):
+    """The summed cross-entropy of ``labels`` shifted by one (``IGNORE_INDEX`` ignored)
+    over ``hidden`` (B x S x H), in chunks of :func:`loss_chunk_tokens` tokens, each
+    recomputed in the backward under autograd, so the fp32 logits of the whole
+    sequence never exist. ``logits_of(chunk, *tensors)`` gives a chunk's logits; the
+    head's tensors are passed in, not read from its module: the recompute runs in the
+    backward, when RoundPipe has already unbound the layer's device tensors."""
+    hidden = hidden[:, :-1].reshape(-1, hidden.shape[-1])
+    targets = labels[:, 1:].reshape(-1)
+    total = hidden.new_zeros((), dtype=torch.float32)
+    step = loss_chunk_tokens(chunk_tokens, vocab_size)
+    for start in range(0, targets.numel(), step):
+        piece = slice(start, start + step)
+        args = (logits_of, hidden[piece], targets[piece], *tensors)
+        if torch.is_grad_enabled():
+            loss = checkpoint(_piece_loss, *args, use_reentrant=False, preserve_rng_state=False)
+        else:
+            loss = _piece_loss(*args)
+        total = total + loss
+    return total
+
+
+def _piece_loss(logits_of, hidden, targets, *tensors):
+    logits = logits_of(hidden, *tensors)
+    logits = logits.reshape(-1, logits.shape[-1]).float()
+    return F.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX, reduction="sum")

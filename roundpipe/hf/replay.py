@@ -22,15 +22,14 @@ docs/design.md#the-general-decoder-path.
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import replace
 
 import torch
 from torch import nn
-from torch.nn import functional as F
-from torch.utils.checkpoint import checkpoint
 
-from .long_context import loss_chunk_tokens
+from .long_context import chunked_loss, module_state
 from .recording import (
     Carried,
     LayerStub,
@@ -55,7 +54,6 @@ from .structure import (
     twin_along,
 )
 
-IGNORE_INDEX = -100
 _UNPACKING = r"not enough values to unpack \(expected (\d+), got 1\)"
 
 
@@ -252,40 +250,22 @@ class ReplayedHead(nn.Module):
         hidden = state.hidden if self.norm is None else self.norm(state.hidden)
         if state.labels is None:
             return _logits(self.lm, hidden)
-        hidden = hidden[:, :-1].reshape(-1, hidden.shape[-1])
-        targets = state.labels[:, 1:].reshape(-1)
-        total = hidden.new_zeros((), dtype=torch.float32)
-        chunk_tokens = loss_chunk_tokens(self.chunk_tokens, self.vocab_size)
-        # The head's tensors are passed in, not read from the module: the recompute runs
-        # in backward, when RoundPipe has already unbound the layer's device tensors.
-        names, tensors = _state(self.lm)
-        for start in range(0, targets.numel(), chunk_tokens):
-            piece = slice(start, start + chunk_tokens)
-            args = (self.lm, names, hidden[piece], targets[piece], *tensors)
-            if torch.is_grad_enabled():
-                loss = checkpoint(_chunk_loss, *args, use_reentrant=False, preserve_rng_state=False)
-            else:
-                loss = _chunk_loss(*args)
-            total = total + loss
-        return total
+        names, tensors = module_state(self.lm)
+        logits_of = functools.partial(_lm_logits, self.lm, names)
+        return chunked_loss(
+            hidden, state.labels, self.chunk_tokens, self.vocab_size, logits_of, *tensors
+        )
 
 
 def _logits(lm: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
     return lm(inputs_embeds=hidden, use_cache=False).logits
 
 
-def _state(module: nn.Module) -> tuple[list[str], list[torch.Tensor]]:
-    state = {**dict(module.named_parameters()), **dict(module.named_buffers())}
-    return list(state), list(state.values())
-
-
-def _chunk_loss(lm, names, hidden, targets, *tensors):
+def _lm_logits(lm, names, hidden, *tensors):
+    """A chunk's logits from the causal LM's own head code, its tensors passed in."""
     weights = dict(zip(names, tensors, strict=True))
-    logits = torch.func.functional_call(
-        lm, weights, (), {"inputs_embeds": hidden.unsqueeze(0), "use_cache": False}
-    ).logits
-    logits = logits.reshape(-1, logits.shape[-1]).float()
-    return F.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX, reduction="sum")
+    inputs = {"inputs_embeds": hidden.unsqueeze(0), "use_cache": False}
+    return torch.func.functional_call(lm, weights, (), inputs).logits
 
 
 def replayed_layers(causal_lm: nn.Module, chunk_tokens: int) -> nn.Sequential:
