@@ -68,7 +68,7 @@ def tiny_lm(vocab: int, width: int, depth: int, heads: int, context: int) -> nn.
 
 
 def next_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum")
+    return nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())  # mean per token
 
 
 def main() -> None:
@@ -88,7 +88,6 @@ def main() -> None:
     data = torch.tensor([alphabet.index(c) for c in text])
     torch.manual_seed(0)
     model = tiny_lm(len(alphabet), args.width, args.depth, 4, args.context)
-    tokens_per_batch = args.batch * args.context
     with RoundPipe(model, devices=args.devices, model_run_config=RoundPipeRunConfig()) as pipe:
         optimizer = torch.optim.Adam(pipe.optim_parameters(), lr=args.lr, fused=True)
 
@@ -107,7 +106,7 @@ def main() -> None:
             pipe.step(step_fn, is_async=not args.sync)
             elapsed = time.perf_counter() - start
             print(
-                f"step {step:3d}  loss/token {loss.item() / tokens_per_batch:.3f}  "
+                f"step {step:3d}  loss/token {loss.item():.3f}  "
                 f"{step * args.batch / elapsed:7.1f} samples/s"
             )
         pipe.synchronize()

@@ -2,7 +2,8 @@
 
 Each subcommand registers its own parser and run function: ``simulate`` in
 :mod:`roundpipe.predict.simulate_command`, ``train`` in :mod:`roundpipe.train.command`,
-``export`` in :mod:`roundpipe.train.export`.
+``export`` in :mod:`roundpipe.train.export`, ``env`` in :mod:`roundpipe.train.environment`.
+``roundpipe --version`` prints the installed version.
 A ``ValueError`` a run raises is bad input: its message and exit code 2.
 """
 
@@ -13,7 +14,9 @@ import sys
 from collections.abc import Sequence
 
 from .predict.simulate_command import add_simulate_parser
+from .train.chat_command import add_chat_parser
 from .train.command import add_train_parser
+from .train.environment import add_env_parser, roundpipe_version
 from .train.export import add_export_parser
 
 
@@ -29,10 +32,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="roundpipe", description="RoundPipe tools.")
+    parser.add_argument("--version", action="version", version=f"roundpipe {roundpipe_version()}")
     commands = parser.add_subparsers(dest="command", required=True)
     add_simulate_parser(commands)
     add_train_parser(commands)
     add_export_parser(commands)
+    add_chat_parser(commands)
+    add_env_parser(commands)
     return parser
 
 

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import argparse
 import traceback
 
 import torch
@@ -24,6 +25,26 @@ def install_hint(extra: str) -> str:
     """How to install the optional packages of ``extra``, from the package index or from a
     checkout: every "needs X" message ends with it."""
     return f"pip install '{DISTRIBUTION}[{extra}]' (from a checkout: pip install -e '.[{extra}]')"
+
+
+def one_line_usage_errors(parser: argparse.ArgumentParser) -> None:
+    """Make the subcommand ``parser`` report bad usage as ``<prog>: error: <message>``
+    and ``see <prog> --help`` (exit code 2) instead of its usage block, arguments it
+    does not know included (argparse leaves those to the top-level parser)."""
+
+    def error(message: str):
+        parser.exit(2, f"{parser.prog}: error: {message}\nsee {parser.prog} --help\n")
+
+    parse_known_args = parser.parse_known_args
+
+    def checked(args=None, namespace=None):
+        namespace, extras = parse_known_args(args, namespace)
+        if extras:
+            error(f"unrecognized arguments: {' '.join(extras)}")
+        return namespace, extras
+
+    parser.error = error  # type: ignore[method-assign]
+    parser.parse_known_args = checked  # type: ignore[method-assign]
 
 
 def format_bytes(nbytes: float) -> str:

@@ -9,7 +9,13 @@ import dataclasses
 
 import pytest
 import torch
-from support.oracle import assert_grads_close, batch, mse_sum
+from support.oracle import (
+    assert_grads_close,
+    batch,
+    mse_sum,
+    reference_loss_and_grads,
+    weighted_microbatches,
+)
 from torch import nn
 
 from roundpipe import RoundPipeRunConfig
@@ -65,15 +71,6 @@ def model_passing(kind: type) -> nn.Sequential:
     return nn.Sequential(nn.Linear(8, 16), Wrap(kind), Unwrap())
 
 
-def reference_loss(model: nn.Module, x, y, num_microbatch: int) -> torch.Tensor:
-    total = torch.zeros(())
-    for xm, ym in zip(x.tensor_split(num_microbatch), y.tensor_split(num_microbatch), strict=True):
-        loss = mse_sum(model(xm), ym)
-        loss.backward()
-        total = total + loss.detach()
-    return total
-
-
 @pytest.mark.parametrize("kind", KINDS, ids=lambda kind: kind.__name__)
 @pytest.mark.parametrize("plan", ["1,1|1,1,1", "2|1,2", "1|2,1"])
 def test_a_layer_returning_a_dataclass_passes_gradients_to_the_layers_before_it(
@@ -87,7 +84,7 @@ def test_a_layer_returning_a_dataclass_passes_gradients_to_the_layers_before_it(
     x, y = batch()
     loss = no_hang(model.forward_backward, (x,), label=y, loss_fn=mse_sum)
     no_hang(model.synchronize)
-    torch.testing.assert_close(loss, reference_loss(reference, x, y, 3))
+    torch.testing.assert_close(loss, reference_loss_and_grads(reference, x, y, 3))
     assert_grads_close(model.model, reference)
 
 
@@ -143,8 +140,8 @@ def test_a_dataclass_input_is_split_into_microbatches_from_the_first_call(wrap, 
     no_hang(model.synchronize)
     expected = copy.deepcopy(reference)
     total = torch.zeros(())
-    for xm, ym in zip(x.tensor_split(3), y.tensor_split(3), strict=True):
-        step = mse_sum(expected(Features(xm)), ym)
+    for xm, ym, weight in weighted_microbatches(x, y, 3):
+        step = mse_sum(expected(Features(xm)), ym) * weight
         step.backward()
         total = total + step.detach()
     torch.testing.assert_close(loss, total)

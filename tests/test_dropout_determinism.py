@@ -14,7 +14,7 @@ import threading
 
 import pytest
 import torch
-from support.oracle import batch, mse_sum
+from support.oracle import batch, mse_sum, weighted_microbatches
 from torch import nn
 
 from roundpipe import EmulatedOptions, RoundPipe, RoundPipeRunConfig
@@ -47,23 +47,24 @@ def wrap(model: nn.Module, devices: int = 3, plan: str = "2,2|3,1,1,1,1", **conf
     )
 
 
-def pytorch_with_seeds(model: nn.Module, x, y, call: int = 0, num_microbatch: int = 3):
-    """Plain PyTorch: the summed microbatch losses of call ``call`` of a model wrapped
-    after ``torch.manual_seed(SEED)``, each layer seeded as RoundPipe seeds it; leaves
-    the gradients in ``model``."""
+def pytorch_with_seeds(
+    model: nn.Module, x, y, call: int = 0, num_microbatch: int = 3, scale_grads: bool = True
+):
+    """Plain PyTorch: ``forward_backward``'s loss of call ``call`` of a model wrapped
+    after ``torch.manual_seed(SEED)`` (without ``scale_grads``, the summed microbatch
+    losses), each layer seeded as RoundPipe seeds it; leaves the gradients in ``model``."""
     seeds = CallSeeds(SEED)
     for _ in range(call + 1):
         call_seed = seeds.next_call()
     total = torch.zeros((), dtype=torch.float64)
     with torch.random.fork_rng(devices=[]):
-        for m, (xm, ym) in enumerate(
-            zip(x.tensor_split(num_microbatch), y.tensor_split(num_microbatch), strict=True)
-        ):
+        microbatches = weighted_microbatches(x, y, num_microbatch, scale_grads)
+        for m, (xm, ym, weight) in enumerate(microbatches):
             h = xm
             for i, layer in enumerate(model):
                 torch.manual_seed(layer_seed(microbatch_seed(call_seed, m), i))
                 h = layer(h)
-            loss = mse_sum(h, ym)
+            loss = mse_sum(h, ym) * weight
             loss.backward()
             total += loss.detach()
     return total
@@ -128,7 +129,8 @@ def test_backward_through_a_plain_forward_with_dropout_equals_pytorch():
         loss = sum(mse_sum(o, t) for o, t in zip(out.tensor_split(3), y_parts, strict=True))
         loss.backward()
         pipe.synchronize()
-    torch.testing.assert_close(loss, pytorch_with_seeds(reference, x, y), rtol=1e-12, atol=1e-12)
+    want = pytorch_with_seeds(reference, x, y, scale_grads=False)  # the loss summed here
+    torch.testing.assert_close(loss, want, rtol=1e-12, atol=1e-12)
     assert_matches(model, reference)
 
 
@@ -159,8 +161,7 @@ def test_eval_mode_runs_without_dropout_as_in_pytorch():
         with torch.no_grad():  # per microbatch: a GEMM's rounding may depend on its rows
             expected = torch.cat([reference(xm) for xm in x.tensor_split(3)])
             assert torch.equal(pipe(x), expected)
-    parts = zip(x.tensor_split(3), y.tensor_split(3), strict=True)
-    total = sum(mse_sum(reference(xm), ym) for xm, ym in parts)
+    total = sum(mse_sum(reference(xm), ym) * w for xm, ym, w in weighted_microbatches(x, y, 3))
     total.backward()
     torch.testing.assert_close(loss, total.detach(), rtol=1e-12, atol=1e-12)
     assert_matches(model, reference)

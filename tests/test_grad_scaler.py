@@ -12,7 +12,7 @@ import copy
 
 import pytest
 import torch
-from support.oracle import assert_weights_close, batch, mlp, mse_sum
+from support.oracle import assert_weights_close, batch, mlp, mse_sum, weighted_microbatches
 
 from roundpipe import RoundPipe, RoundPipeRunConfig
 
@@ -22,15 +22,15 @@ def reference_with_scaler(model, batches, init_scale):
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     scaler = torch.amp.GradScaler("cpu", init_scale=init_scale)
     for x, y in batches:
-        for xm, ym in zip(x.tensor_split(3), y.tensor_split(3), strict=True):
-            scaler.scale(mse_sum(model(xm), ym)).backward()
+        for xm, ym, weight in weighted_microbatches(x, y, 3):
+            scaler.scale(mse_sum(model(xm), ym) * weight).backward()
         scaler.step(optimizer)
         scaler.update()
         optimizer.zero_grad()
     return model, scaler.get_scale()
 
 
-@pytest.mark.parametrize("init_scale", [2.0**10, 2.0**124])  # the second overflows at first
+@pytest.mark.parametrize("init_scale", [2.0**10, 2.0**127])  # the second overflows at first
 def test_grad_scaler_steps_and_skips_exactly_like_pytorch(init_scale):
     model = mlp()
     batches = [batch(seed) for seed in range(6)]

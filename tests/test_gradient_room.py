@@ -70,7 +70,7 @@ def test_a_call_after_a_slow_step_holds_one_jobs_gradients_per_device(no_hang):
     # Plain PyTorch: both calls read the initial weights (the second runs beside the
     # asynchronous first step, one step stale), then two SGD steps apply their gradients.
     reference = linears()
-    mse_sum(reference(x), y).backward()
+    (mse_sum(reference(x), y) / 2).backward()  # the mean of the two microbatches' losses
     with torch.no_grad():
         for got, param in zip(trained, reference.parameters(), strict=True):
             torch.testing.assert_close(got, param - 2 * 0.01 * param.grad, rtol=1e-5, atol=1e-6)

@@ -65,7 +65,7 @@ def tiny_llama() -> tuple[nn.Module, nn.Sequential]:
 
 
 def next_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum")
+    return nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
 def test_the_layer_cut_computes_what_the_hugging_face_model_computes():
@@ -92,10 +92,7 @@ def test_tiny_llama_trains_like_pytorch(grain):
             ids, targets = window[:, :-1], window[:, 1:]
             loss = pipe.forward_backward((ids,), label=targets, loss_fn=next_token_loss)
             pipe.step(lambda: (optimizer.step(), optimizer.zero_grad()), is_async=False)
-            want = sum(
-                next_token_loss(reference(i), t)
-                for i, t in zip(ids.tensor_split(3), targets.tensor_split(3), strict=True)
-            )
+            want = next_token_loss(reference(ids), targets)  # the whole batch's mean
             want.backward()
             ref_optimizer.step()
             ref_optimizer.zero_grad()

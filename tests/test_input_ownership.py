@@ -128,7 +128,7 @@ def keyword_reference_grads(model: nn.Sequential, x, scale, y) -> torch.Tensor:
     pieces = [torch.tensor_split(t, NUM_MICROBATCH) for t in (x, scale, y)]
     for xm, sm, ym in zip(*pieces, strict=True):
         hidden = model[0](input=xm, scale=sm)
-        loss = mse_sum(model[1:](hidden), ym)
+        loss = mse_sum(model[1:](hidden), ym) * xm.shape[0] / x.shape[0]  # its share of rows
         loss.backward()
         total = total + loss.detach()
     return total

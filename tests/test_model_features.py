@@ -12,7 +12,13 @@ import copy
 
 import pytest
 import torch
-from support.oracle import assert_grads_close, batch, mse_sum, reference_loss_and_grads
+from support.oracle import (
+    assert_grads_close,
+    batch,
+    mse_sum,
+    reference_loss_and_grads,
+    weighted_microbatches,
+)
 from support.pipes import pipe_on
 from torch import nn
 
@@ -119,7 +125,7 @@ def test_backward_through_a_plain_forward_with_dropout_uses_the_forward_masks():
     for index, log in logs:
         assert all(torch.equal(a, b) for a, b in zip(log["forward"], log["grad"], strict=True))
         reference[index] = ReplayDropout(log["forward"])
-    reference_loss_and_grads(reference, x, y, 3)
+    reference_loss_and_grads(reference, x, y, 3, scale_grads=False)  # the loss summed above
     assert_grads_close(model, reference)
 
 
@@ -227,9 +233,9 @@ def test_layers_pass_dicts_tuples_and_non_tensors_with_gradients_across_stages(p
         loss = wrapped.forward_backward((x,), {"scale": 0.5}, label=y, loss_fn=mse_sum)
         wrapped.synchronize()
     total = torch.zeros(())
-    for xm, ym in zip(torch.tensor_split(x, 3), torch.tensor_split(y, 3), strict=False):
+    for xm, ym, weight in weighted_microbatches(x, y, 3):
         out = reference[2](reference[1](reference[0](xm, scale=0.5)))
-        step = mse_sum(out, ym)
+        step = mse_sum(out, ym) * weight
         step.backward()
         total += step.detach()
     torch.testing.assert_close(loss, total)

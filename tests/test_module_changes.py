@@ -12,7 +12,7 @@ import copy
 
 import pytest
 import torch
-from support.oracle import batch, mse_sum
+from support.oracle import batch, mse_sum, weighted_microbatches
 from torch import nn
 
 from roundpipe import RoundPipe, RoundPipeRunConfig
@@ -50,8 +50,8 @@ def model() -> nn.Sequential:
 
 def pytorch_step(reference: nn.Module, x, y, lr: float = 0.05) -> torch.Tensor:
     loss = sum(
-        mse_sum(reference(xm), ym)
-        for xm, ym in zip(x.tensor_split(MICROBATCHES), y.tensor_split(MICROBATCHES), strict=True)
+        mse_sum(reference(xm), ym) * weight
+        for xm, ym, weight in weighted_microbatches(x, y, MICROBATCHES)
     )
     loss.backward()
     with torch.no_grad():

@@ -11,24 +11,32 @@ from __future__ import annotations
 import pytest
 import torch
 from support.multinode import launch
-from support.oracle import batch, mlp, train_reference
+from support.oracle import batch, mlp, train_reference, weighted_microbatches
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")
 
 
-def reference(steps: int, shards: int, optimizer: str, stale: bool, scale: float = 1.0):
-    """Plain PyTorch on the global batches, split into ``shards`` microbatches."""
+def reference(
+    steps: int,
+    shards: int,
+    optimizer: str,
+    stale: bool,
+    scale: float = 1.0,
+    size: int = 12,
+    scale_grads: bool = True,
+):
+    """Plain PyTorch on the global batches of ``size`` rows, split into ``shards``
+    microbatches (RoundPipe's loss over them: ``oracle.reference_loss_and_grads``)."""
     from support.multinode_scenarios import make_optimizer
 
     model = mlp().double()
-    batches = [tuple(t.double() for t in batch(seed=s, size=12)) for s in range(steps)]
+    batches = [tuple(t.double() for t in batch(seed=s, size=size)) for s in range(steps)]
 
     def loss_scaled(output, label):
         return ((output - label) ** 2).sum() * scale
 
-    return train_reference(
-        model, batches, shards, lambda p: make_optimizer(optimizer, p), stale, loss_scaled
-    )
+    optimizer_of = lambda p: make_optimizer(optimizer, p)  # noqa: E731
+    return train_reference(model, batches, shards, optimizer_of, stale, loss_scaled, scale_grads)
 
 
 def assert_state_close(state: dict, model: torch.nn.Module) -> None:
@@ -53,9 +61,11 @@ def test_nodes_train_like_one_process_on_the_global_batch(tmp_path, world, optim
 
 
 def test_mean_reduction_averages_like_ddp(tmp_path):
-    codes, results, outputs = launch("train", 2, tmp_path, steps=3, grad_reduction="mean")
+    codes, results, outputs = launch(
+        "train", 2, tmp_path, steps=3, grad_reduction="mean", scale_grads=False
+    )
     assert codes == [0, 0], outputs
-    want, want_losses = reference(3, 4, "adam", stale=False, scale=0.5)
+    want, want_losses = reference(3, 4, "adam", stale=False, scale=0.5, scale_grads=False)
     for result in results:
         assert result["losses"] == pytest.approx(want_losses, rel=1e-6)  # returned in fp32
         assert_state_close(result["state"], want)
@@ -182,8 +192,8 @@ def test_clip_grad_norm_clips_by_the_norm_over_every_nodes_gradients(tmp_path):
     opt = make_optimizer("sgd", model.parameters())
     for step in range(3):
         x, y = (t.double() for t in batch(seed=step, size=12))
-        for xm, ym in zip(x.tensor_split(4), y.tensor_split(4), strict=True):
-            ((model(xm) - ym) ** 2).sum().backward()
+        for xm, ym, weight in weighted_microbatches(x, y, 4):
+            (((model(xm) - ym) ** 2).sum() * weight).backward()
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
         assert norm > 0.5  # the clip matters
         opt.step()

@@ -174,8 +174,8 @@ def _totals(spec, work, gpus=2) -> dict[LeanSettings, int]:
     }
 
 
-def _host_gb(available: float) -> str:
-    return f"{available / 0.9 / 1e9:.6f}"
+def _host_gib(available: float) -> str:
+    return f"{available / 0.9 / GIB:.6f}"
 
 
 def test_the_host_fit_is_the_setting_that_saves_least_and_still_fits(capsys):
@@ -185,8 +185,8 @@ def test_the_host_fit_is_the_setting_that_saves_least_and_still_fits(capsys):
     for (_, too_big), (_, fitting) in zip(totals, totals[1:], strict=False):
         if too_big == fitting:
             continue
-        host_gb = _host_gb((too_big + fitting) / 2)
-        main(["simulate", *FLAGS, "--host-ram", host_gb, "--schedule", "roundpipe", "--json"])
+        host_gib = _host_gib((too_big + fitting) / 2)
+        main(["simulate", *FLAGS, "--host-ram", host_gib, "--schedule", "roundpipe", "--json"])
         host_fit = json_rows(capsys)[0]["host_fit"]
         assert host_fit["fits"] and host_fit["host_ram"] == fitting
         best = min((s for s, t in totals if t == fitting), key=lambda s: _changed(s))
@@ -207,10 +207,10 @@ def test_the_text_names_the_ram_needed_and_the_setting_that_fits(capsys):
     totals = _totals(spec, work)
     leanest = totals[LeanSettings("int8", "bf16")]
     runner_up = totals[LeanSettings("bf16", "bf16")]
-    host_gb = _host_gb((leanest + runner_up) / 2)
-    main(["simulate", *FLAGS, "--host-ram", host_gb, "--schedule", "roundpipe"])
+    host_gib = _host_gib((leanest + runner_up) / 2)
+    main(["simulate", *FLAGS, "--host-ram", host_gib, "--schedule", "roundpipe"])
     out = capsys.readouterr().out
-    available = int(float(host_gb) * 1e9 * 0.9)
+    available = int(float(host_gib) * GIB * 0.9)
     line = (
         f"  host RAM: {totals[LeanSettings()] / GIB:.1f} GiB needed, {available / GIB:.1f} GiB "
         f"usable; fits with --optimizer-states int8 --master-weights bf16 ({leanest / GIB:.1f} GiB)"
@@ -223,7 +223,7 @@ def test_the_text_names_the_ram_needed_and_the_setting_that_fits(capsys):
 def test_when_no_setting_fits_it_gives_the_leanest_and_what_it_needs(capsys):
     spec, work = model_preset("Qwen3-1.7B"), Workload(seq_len=512, batch=4)
     leanest = _totals(spec, work)[LeanSettings("int8", "bf16")]
-    main(["simulate", *FLAGS, "--host-ram", _host_gb(leanest * 0.9), "--json"])
+    main(["simulate", *FLAGS, "--host-ram", _host_gib(leanest * 0.9), "--json"])
     host_fit = json_rows(capsys)[0]["host_fit"]
     assert not host_fit["fits"] and host_fit["host_ram"] == leanest
     assert host_fit["flags"] == "--optimizer-states int8 --master-weights bf16"
@@ -231,7 +231,7 @@ def test_when_no_setting_fits_it_gives_the_leanest_and_what_it_needs(capsys):
         f"even --optimizer-states int8 --master-weights bf16 needs {leanest / GIB:.1f} GiB"
     )
     lean = ["--optimizer-states", "int8", "--master-weights", "bf16"]
-    main(["simulate", *FLAGS, *lean, "--host-ram", _host_gb(leanest * 0.9), "--json"])
+    main(["simulate", *FLAGS, *lean, "--host-ram", _host_gib(leanest * 0.9), "--json"])
     host_fit = json_rows(capsys)[0]["host_fit"]
     assert host_fit["flags"] is None and not host_fit["fits"]
     assert host_fit["text"].endswith(

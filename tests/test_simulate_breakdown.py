@@ -130,7 +130,7 @@ def test_json_gives_both_breakdowns_in_bytes_with_their_source(capsys):
     assert list(device) == [*DEVICE_KEYS, "total", "available", "capacity", "usable_fraction"]
     assert host["total"] == sum(host[k] for k in HOST_KEYS)
     assert device["total"] == sum(device[k] for k in DEVICE_KEYS) == roundpipe["gpu_memory"]
-    assert (host["capacity"], host["source"]) == (256 * 10**9, "--host-ram")
+    assert (host["capacity"], host["source"]) == (256 * GIB, "--host-ram")
     assert device["capacity"] == RTX4090.memory_bytes and device["usable_fraction"] == 0.9
     assert roundpipe["suggestion"] is None
     assert all(row["host_ram"] is None and row["device_memory"] is None for row in baselines)
@@ -160,7 +160,7 @@ def test_the_text_table_shows_the_json_terms_in_gib(capsys):
         f"{row['host_ram']['total'] / GIB:.2f}",
         f"{row['device_memory']['total'] / GIB:.2f}",
     ]
-    assert lines["usable"][1:3] == [f"{57.6e9 / GIB:.2f}", f"{0.9 * 24:.2f}"]
+    assert lines["usable"][1:3] == [f"{0.9 * 64:.2f}", f"{0.9 * 24:.2f}"]
 
 
 def _suggestion(capsys, *flags: str) -> dict:
@@ -177,11 +177,11 @@ def test_full_fine_tuning_over_the_host_ram_is_told_the_ram_it_needs_or_lora(cap
     flags = ["--model", "Qwen3-1.7B", "--gpus", "2", "--batch", "4", "--seq-len", "512"]
     suggestion = _suggestion(capsys, *flags, "--host-ram", "16")
     spec, work = model_preset("Qwen3-1.7B"), Workload(seq_len=512, batch=4)
-    full = memory_fit(spec, RTX4090, work, 2, 16 * 10**9)
+    full = memory_fit(spec, RTX4090, work, 2, 16 * GIB)
     assert full.fits and not full.host_fits
     assert suggestion["host_ram_needed"] == math.ceil(full.host.total / 0.9)
     assert (suggestion["option"], suggestion["value"]) == ("--lora", 64)
-    assert _fits(spec, Workload(seq_len=512, batch=4, lora_rank=64), 2, 16 * 10**9)
+    assert _fits(spec, Workload(seq_len=512, batch=4, lora_rank=64), 2, 16 * GIB)
     needed = f"needs {suggestion['host_ram_needed'] / GIB:.1f} GiB of host RAM"
     assert needed in suggestion["text"] and "or --lora 64 fits" in suggestion["text"]
 
@@ -192,9 +192,9 @@ def test_lora_over_the_host_ram_gets_the_highest_lower_rank_that_fits(capsys):
         rank: memory_fit(spec, RTX4090, Workload(512, 4, lora_rank=rank), 2).host.total
         for rank in (64, 32)
     }
-    host_gb = (totals[64] + totals[32]) / 2 / MEMORY_HEADROOM / 1e9  # 64 too big, 32 fits
+    host_gib = (totals[64] + totals[32]) / 2 / MEMORY_HEADROOM / GIB  # 64 too big, 32 fits
     flags = ["--model", "Qwen3-1.7B", "--gpus", "2", "--batch", "4", "--seq-len", "512"]
-    suggestion = _suggestion(capsys, *flags, "--lora", "64", "--host-ram", f"{host_gb:.3f}")
+    suggestion = _suggestion(capsys, *flags, "--lora", "64", "--host-ram", f"{host_gib:.3f}")
     assert (suggestion["option"], suggestion["value"]) == ("--lora", 32)
     assert suggestion["host_ram"] == totals[32]
     assert suggestion["host_ram_needed"] == math.ceil(totals[64] / MEMORY_HEADROOM)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from support.oracle import mse_sum
+from support.oracle import mse_sum, weighted_microbatches
 from torch import nn
 
 from roundpipe import RoundPipe, RoundPipeRunConfig
@@ -54,7 +54,7 @@ def step_in_backward(params, make=None, on_hook=None) -> dict:
 def pytorch_run(model: nn.Module, x, y, steps: int) -> list[float]:
     losses = []
     for _ in range(steps):
-        loss = sum(mse_sum(model(a), b) for a, b in zip(x.chunk(2), y.chunk(2), strict=True))
+        loss = sum(mse_sum(model(a), b) * w for a, b, w in weighted_microbatches(x, y, 2))
         loss.backward()
         losses.append(float(loss.detach()))
     return losses

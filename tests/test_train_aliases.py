@@ -17,21 +17,19 @@ pytest.importorskip("yaml")
 
 from roundpipe.cli import main  # noqa: E402
 from roundpipe.train.aliases import BATCH_NOTE, HF_NAMES, OTHER_MEANING  # noqa: E402
-from roundpipe.train.options import (  # noqa: E402
-    OPTIONS,
-    UsageError,
-    add_arguments,
-    read_config,
-)
+from roundpipe.train.command_line import add_arguments, given_options  # noqa: E402
+from roundpipe.train.options import OPTIONS, UsageError, read_config  # noqa: E402
 
-TRL_ONLY = {"model_name_or_path", "lora_r", "lora_alpha", "lora_dropout", "lora_target_modules"}
-"""TRL's ``ModelConfig`` names (the rest are ``TrainingArguments``')."""
+TRL_ONLY = {"model_name_or_path", "lora_r", "lora_alpha", "lora_dropout", "lora_target_modules",
+            "dataset_name", "dataset_train_split", "max_length", "max_seq_length"}  # fmt: skip
+"""TRL's ``ModelConfig``, ``ScriptArguments`` and ``SFTConfig`` names (the rest are
+``TrainingArguments``')."""
 
 
 def parsed(*args: str) -> dict:
     parser = argparse.ArgumentParser()
     add_arguments(parser)
-    return vars(parser.parse_args(list(args)))
+    return given_options(vars(parser.parse_args(list(args)))).command_line
 
 
 def test_the_aliases_are_training_arguments_names():
@@ -102,7 +100,7 @@ def test_trainers_batch_options_are_refused_saying_how_ours_differ(capsys, name)
     nearest = "--" + OTHER_MEANING[name].replace("_", "-")
     assert f"unknown option --{name} (did you mean {nearest}? it means something else" in err
     assert "--batch-size is the global number of sequences per step" in err
-    assert "not accumulation steps" in err and len(err.strip().splitlines()[-1]) > 100
+    assert "not accumulation steps" in err and len(err.strip().splitlines()[0]) > 100
 
 
 def test_trainers_batch_options_in_a_config_file_are_refused_the_same_way(tmp_path):
@@ -118,7 +116,9 @@ def test_help_shows_every_default_zeros_and_flags_included(capsys):
         main(["train", "--help"])
     text = " ".join(capsys.readouterr().out.split())
     for option in OPTIONS:
-        if option.default is None:
+        if option.default is True:  # on unless --no-NAME
+            assert f"--no-{option.name} {option.help}" in text
+        if option.default is None or option.default is True:
             continue
         shown = "off" if option.default is False else option.default
         assert re.search(rf"--{option.name}\b[^-]*?.*?\(default {re.escape(str(shown))}\)", text)

@@ -28,7 +28,7 @@ from support.train_cli import checkpoint_steps, metrics, reference_schedule  # n
 import roundpipe  # noqa: E402
 from roundpipe.cli import main  # noqa: E402
 
-METRIC_KEYS = {"step", "loss", "lr", "tokens", "tokens_per_s", "elapsed_s"}
+METRIC_KEYS = {"step", "epoch", "loss", "lr", "tokens", "num_tokens", "tokens_per_s", "elapsed_s"}
 
 
 # -- training ------------------------------------------------------------------------
@@ -50,6 +50,9 @@ def test_metrics_hold_one_line_per_step_with_cumulative_tokens_and_time(train_ru
         values = [r[key] for r in records]
         assert values == sorted(values) and values[0] > 0
     assert all(r["tokens_per_s"] > 0 for r in records)
+    steps_per_epoch = 48 // 8  # the data's 48 examples in batches of 8: Trainer's epoch
+    assert [r["epoch"] for r in records] == [s / steps_per_epoch for s in range(1, 11)]
+    assert all(r["num_tokens"] == r["tokens"] for r in records)
 
 
 def test_the_loss_plot_and_the_resolved_options_are_written(train_runs):

@@ -137,8 +137,9 @@ def test_a_non_empty_output_is_refused(runs, tmp_path, capsys):
 
 
 def test_a_directory_that_is_no_checkpoint_is_refused(runs, tmp_path, capsys):
-    err = refused(capsys, "--checkpoint", runs["full"], "--output", tmp_path / "m")
-    assert f"--checkpoint {runs['full']}: not a readable checkpoint" in err
+    directory = runs["full"] / "checkpoints"  # (a run's --output gives its newest)
+    err = refused(capsys, "--checkpoint", directory, "--output", tmp_path / "m")
+    assert f"--checkpoint {directory}: not a readable checkpoint" in err
 
 
 def test_export_is_a_subcommand_of_the_console_script(runs, tmp_path):

@@ -82,13 +82,15 @@ def wide_model_dir(directory: Path) -> Path:
 
 def usage_error(capture, *args) -> str:
     """The one line of a refused command (argparse's own refusals, of a value not among
-    an option's choices, come after its usage text: their last line)."""
+    an option's choices, are followed by where the help is)."""
     with pytest.raises(SystemExit) as exit_info:
         main(["train", *map(str, args)])
     assert exit_info.value.code == 2
     lines = capture.readouterr().err.strip().splitlines()
-    assert len(lines) == 1 or lines[0].startswith("usage:"), lines
-    return lines[-1]
+    if lines[-1] == "see roundpipe train --help":
+        lines = lines[:-1]
+    assert len(lines) == 1, lines
+    return lines[0]
 
 
 # -- the options ---------------------------------------------------------------------------
@@ -309,7 +311,8 @@ def test_an_int8_run_resumed_equals_the_uninterrupted_one_bit_for_bit(files, tmp
     train(files, interrupted, *int8, "--steps", "2")
     train(files, whole, *int8, "--steps", "4")
     err = usage_error(capfd, "--model", files["model"], "--data", files["data"], "--output",
-                      interrupted, *RUN, "--sync", "--steps", "4", "--resume")  # fmt: skip
+                      interrupted, *RUN, "--sync", "--steps", "4", "--resume",
+                      "--optimizer-states", "fp32")  # fmt: skip
     assert "--optimizer-states 'int8' there, 'fp32' here" in err
     capfd.readouterr()
     train(files, interrupted, *int8, "--steps", "4", "--resume")

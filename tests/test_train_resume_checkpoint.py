@@ -85,7 +85,7 @@ def test_a_missing_named_checkpoint_is_refused(train_runs, tmp_path, capsys):
 def test_resume_is_a_flag_that_may_name_a_checkpoint(given, resume):
     import argparse
 
-    from roundpipe.train.options import add_arguments
+    from roundpipe.train.command_line import add_arguments
 
     parser = argparse.ArgumentParser()
     add_arguments(parser)

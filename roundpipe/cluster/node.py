@@ -56,15 +56,21 @@ class NodeSync:
 
     # -- the caller's thread ---------------------------------------------------------
 
-    def check_call(self, num_microbatches: int) -> None:
-        rows = self.comm.gather_ints([num_microbatches], "the call-start check")
-        counts = [row[0] for row in rows]
+    def check_call(self, num_microbatches: int, rows: int) -> float:
+        """Check at call start that every rank splits its batch alike; returns the rows
+        a rank's loss is the mean over under ``scale_grads`` (``rows``: this rank's):
+        the global batch's, so the sum over the ranks is the global batch's mean; with
+        ``grad_reduction="mean"``, which then averages the ranks, their mean."""
+        gathered = self.comm.gather_ints([num_microbatches, rows], "the call-start check")
+        counts = [row[0] for row in gathered]
         if len(set(counts)) > 1:
             raise ValueError(
                 f"every rank must split its batch into the same number of microbatches; "
                 f"by rank they are {counts} (set RoundPipeRunConfig(num_microbatch=...) "
                 "alike on every rank)"
             )
+        total = sum(row[1] for row in gathered)
+        return total / self.world if self.grad_reduction == "mean" else total
 
     def sum_over_nodes(self, value: int, what: str) -> int:
         return sum(row[0] for row in self.comm.gather_ints([int(value)], what))

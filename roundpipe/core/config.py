@@ -40,6 +40,12 @@ class RoundPipeRunConfig:
       sequence in chunks of at most this many tokens, each chunk recomputed in the
       backward, so a long sequence's MLP activations never exist at once
       (docs/design.md#long-context); ``None`` runs every layer over the whole sequence.
+    - ``scale_grads``: as ``torch.distributed.pipelining``'s, ``forward_backward``
+      returns and backpropagates the mean of the ``loss_fn`` values of the
+      microbatches, each weighted by its share of the batch's rows, so a ``loss_fn``
+      returning a microbatch's mean gives the whole batch's mean, on any device or
+      microbatch count; ``False`` keeps their sum. ``from_hf`` models' loss is
+      already the mean over the batch's label tokens: they ignore it.
     """
 
     num_microbatch: int | None = None
@@ -53,6 +59,7 @@ class RoundPipeRunConfig:
     prefetch_stages: int = 1
     gate_weight_chunks: bool = True
     seq_chunk_tokens: int | None = None
+    scale_grads: bool = True
 
     def __post_init__(self) -> None:
         if self.num_microbatch is not None and (
@@ -78,7 +85,7 @@ class RoundPipeRunConfig:
                 "execute_plan must be a Plan, a string like '3,3|2,1,1,1,1,1,1' or None, "
                 f"got {type(self.execute_plan).__name__}"
             )
-        for name in ("preserve_rng_state", "gate_weight_chunks"):
+        for name in ("preserve_rng_state", "gate_weight_chunks", "scale_grads"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}")
         for name in ("split_input", "split_label", "merge_output"):

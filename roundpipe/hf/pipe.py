@@ -99,10 +99,10 @@ class HFRoundPipe(RoundPipe):
         def mean_over_batch(total: torch.Tensor, _label) -> torch.Tensor:
             return total / count
 
+        # Each microbatch's loss is its share of the batch's token mean: they add up.
+        config = replace(self._with_images(batch, run_config) or self.run_config, scale_grads=False)
         return super().forward_backward(
-            input_kwargs=batch,
-            loss_fn=mean_over_batch,
-            run_config=self._with_images(batch, run_config),
+            input_kwargs=batch, loss_fn=mean_over_batch, run_config=config
         )
 
     def _global_label_tokens(self, labels: torch.Tensor) -> int:
@@ -132,21 +132,25 @@ class HFRoundPipe(RoundPipe):
             return self._forward((), batch, config) / count
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        """``pipe(input_ids=..., attention_mask=...)``: the logits, as the model returns them."""
+        """``pipe(input_ids=..., attention_mask=...)``: the logits, as the model returns them.
+
+        Under ``torch.no_grad()`` a batch of fewer rows than the pipe's microbatches runs
+        as one microbatch per row (a single prompt needs no padding rows)."""
         if args:
             raise TypeError("pass the batch by keyword: pipe(input_ids=..., attention_mask=...)")
         batch = self._checked_batch(kwargs, training=False)
         with_images = self._with_images(batch, None)
-        if with_images is None:
-            return super().forward(**batch)
-        if torch.is_grad_enabled():
+        if with_images is not None and torch.is_grad_enabled():
             raise ValueError(
                 "logits of a batch with images are computed under torch.no_grad() only; "
                 "train with forward_backward"
             )
+        if torch.is_grad_enabled():
+            return super().forward(**batch)
         rows = batch["input_ids"].shape[0]
         config = replace(
-            with_images, num_microbatch=min(self._microbatch_count(self.run_config), rows)
+            with_images or self.run_config,
+            num_microbatch=min(self._microbatch_count(self.run_config), rows),
         )
         return self._forward((), batch, config)
 

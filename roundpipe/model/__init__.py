@@ -31,7 +31,7 @@ from ..runtime.call import AutocastState, Call
 from ..runtime.inputs import own_and_split
 from ..runtime.layers import check_layer_list, sequential_layers
 from ..runtime.lifetime import finalize_unclosed
-from ..runtime.microbatch import merge_outputs
+from ..runtime.microbatch import merge_outputs, microbatch_rows, weights_by_rows
 from ..runtime.params import ParameterStore, parameter_names
 from ..runtime.profiler import LayerProfiler
 from ..runtime.seeds import CallSeeds
@@ -155,16 +155,21 @@ class RoundPipe(ModuleCall, Checkpoints, ParameterViews, Observation, nn.Module)
     ):
         """Forward, loss and backward of every microbatch, pipelined.
 
-        Returns the sum of the microbatch losses (and the merged outputs if
-        ``return_outputs``) as soon as the loss is known; the remaining backward
-        stages keep running and their gradients accumulate into the master copies.
-        The inputs and label are copied at call start: reuse them at once if you like.
+        Returns the batch's loss (and the merged outputs if ``return_outputs``) as soon
+        as it is known; the remaining backward stages keep running and the gradients of
+        that loss accumulate into the master copies. The loss is the mean of the
+        microbatches' ``loss_fn`` values weighted by their rows (microbatch ``i`` of
+        ``r_i`` of the batch's ``R`` rows weighs ``r_i / R``), so a ``loss_fn``
+        returning a microbatch's mean gives the whole batch's mean whatever the device
+        or microbatch count; ``RoundPipeRunConfig(scale_grads=False)`` makes it their
+        sum. The inputs and label are copied at call start: reuse them at once if you like.
 
         On several nodes (``process_group``), every rank calls it with its share of the
         global batch and the same number of microbatches, and it returns the loss of
-        the global batch: the sum over the ranks (their mean with
-        ``grad_reduction="mean"``), which the gradients the next ``step`` applies are
-        the gradients of.
+        the global batch, which the gradients the next ``step`` applies are the
+        gradients of: the mean over all its rows (each rank's microbatches weighted by
+        their share of them), whatever ``grad_reduction``; with ``scale_grads=False``
+        the sum over the ranks (their mean with ``grad_reduction="mean"``).
         """
         if loss_fn is None:
             raise TypeError("forward_backward needs a loss_fn(outputs, label) -> scalar tensor")
@@ -175,17 +180,17 @@ class RoundPipe(ModuleCall, Checkpoints, ParameterViews, Observation, nn.Module)
             self._begin(session)
             session.wait_for_gradient_room()
             num = self._microbatch_count(config)
-            if self._node is not None:
-                self._node.check_call(num)
             inputs, labels, owned = self._own_inputs(config, args, kwargs, label, num)
+            weights = self._loss_weights(config, microbatch_rows(inputs))
             schedule = lower(self._plan_for(config), len(self.pool), self._cursor)
             call = self._start_call(
-                session, schedule, inputs, labels, config, loss_fn, return_outputs, owned
+                session, schedule, inputs, labels, config, loss_fn, return_outputs, owned, weights
             )
             error = None
             try:
                 losses = [call.read(Loss(m)) for m in range(num)]
                 outputs = [call.read(Output(m)) for m in range(num)] if return_outputs else None
+                # Each already weighted (Call.loss_weights): the loss of the gradients.
                 loss = torch.stack([v.reshape(()) for v in losses]).sum()  # loss_fn's dtype
             except Exception as exc:
                 error = call.latch.wait() or exc  # the first job that failed
@@ -324,6 +329,15 @@ class RoundPipe(ModuleCall, Checkpoints, ParameterViews, Observation, nn.Module)
     def _microbatch_count(self, config: RoundPipeRunConfig) -> int:
         return config.num_microbatch or len(self.pool) + 1
 
+    def _loss_weights(self, config: RoundPipeRunConfig, rows: list[int]) -> tuple | None:
+        """What each microbatch's loss is multiplied by (``Call.loss_weights``): under
+        ``scale_grads`` its share of the rows the loss is the mean over (on several
+        nodes, of the global batch's: :meth:`~roundpipe.cluster.NodeSync.check_call`)."""
+        total = sum(rows)
+        if self._node is not None:  # collective: every rank of a call takes part
+            total = self._node.check_call(len(rows), total)
+        return weights_by_rows(rows, total) if config.scale_grads else None
+
     def _plan_for(self, config: RoundPipeRunConfig, count_call: bool = True) -> Plan:
         if isinstance(config.execute_plan, Plan):
             return config.execute_plan.validate(self.num_layers)
@@ -344,6 +358,7 @@ class RoundPipe(ModuleCall, Checkpoints, ParameterViews, Observation, nn.Module)
         loss_fn,
         return_outputs: bool,
         owned: list,
+        loss_weights: tuple[float, ...] | None = None,
     ) -> Call:
         call = Call.start(
             schedule,
@@ -358,6 +373,7 @@ class RoundPipe(ModuleCall, Checkpoints, ParameterViews, Observation, nn.Module)
             loss_fn=loss_fn,
             return_outputs=return_outputs,
             rng_seed=self._seeds.next_call(),
+            loss_weights=loss_weights,
         )
         self._cursor = schedule.next_device
         session.issue(call, self._loss_scale() if loss_fn is not None else None, owned)

@@ -20,6 +20,8 @@ Pure logic on top of the planner and the simulator, no devices
 - ``mixers``, ``recurrent_mixers``: token mixers priced per token (attention, MLA;
   Gated DeltaNet, Mamba2), ``op_bytes`` the bytes their ops move.
 - ``gpus``: GPU, precision and PCIe presets.
+- ``host_memory``: this machine's host RAM, installed and what a process may still
+  allocate (``MemAvailable``, cgroup limits, ``RLIMIT_AS``).
 - ``simulate_command``: the ``roundpipe simulate`` subcommand; ``model_mode``, its
   model-level mode.
 """

@@ -151,19 +151,23 @@ def host_ram_terms(
     boundary_bytes: int,
     settings: LeanSettings = DEFAULT_SETTINGS,
     quantized: int = 0,
+    weight_bytes: int = HALF,
 ) -> HostRam:
     """Host RAM of a RoundPipe run of ``plan``: ``trainable`` parameters trained (their
     masters and Adam state split over ``optimizer_shards`` hosts), ``frozen`` held only,
     ``quantized`` of them in NF4; ``settings`` say in which dtypes (async steps: the
-    spare version is there whatever the masters)."""
-    master = MASTER_COPY_BYTES[settings.master_weights]
+    spare version is there whatever the masters). ``boundary_bytes`` are a microbatch's
+    hidden states in half precision; an fp32 model (``weight_bytes`` 4) holds its
+    weights and hidden states in fp32, and its fp32 masters are its own weights."""
+    master = 0 if weight_bytes == FP32 else MASTER_COPY_BYTES[settings.master_weights]
+    saved_inputs = (len(plan.backward) - 1) * round_microbatches * boundary_bytes
     return HostRam(
-        weights=(trainable + frozen - quantized) * HALF + nf4_bytes(quantized),
-        spare=trainable * HALF,
+        weights=(trainable + frozen - quantized) * weight_bytes + nf4_bytes(quantized),
+        spare=trainable * weight_bytes,
         masters=-(-trainable * master // optimizer_shards),
         gradients=trainable * MASTER_GRADIENT_BYTES[settings.master_weights],
         optimizer_state=moment_bytes(trainable, settings.optimizer_states, optimizer_shards),
-        saved_activations=(len(plan.backward) - 1) * round_microbatches * boundary_bytes,
+        saved_activations=saved_inputs * weight_bytes // HALF,
         pinned_buffers=PINNED_CACHE_BYTES,
     )
 

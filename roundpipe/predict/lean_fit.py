@@ -67,13 +67,19 @@ def lean_fit(
     num_gpus: int,
     host_ram: int | None,
     memory: MemoryFit,
+    adapter_optimizer: bool = True,
 ) -> HostFit | None:
     """The lean settings that fit the host RAM (the module's rule); ``None`` when
-    ``memory`` (the run's own) already fits it, or the RAM is unknown."""
+    ``memory`` (the run's own) already fits it, or the RAM is unknown. Without
+    ``adapter_optimizer``, a LoRA run's optimizer keeps its settings (``roundpipe
+    train`` has none for an adapter's): only its base's quantization moves."""
     if memory.host_fits is not False or memory.host_budget is None:
         return None
     available, needed = memory.host_budget.available, memory.host.total
     candidates = leaner_settings(work.settings, work.precision, work.lora_rank)
+    if work.lora_rank and not adapter_optimizer:
+        optimizer = (work.settings.optimizer_states, work.settings.master_weights)
+        candidates = [c for c in candidates if (c.optimizer_states, c.master_weights) == optimizer]
     if not candidates:
         return HostFit(work.settings, needed, needed, available, fits=False, changed=False)
     judged = []

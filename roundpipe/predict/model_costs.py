@@ -49,6 +49,14 @@ class Workload:
     """``"async"``: steps overlap the next iteration (the automatic plan minimises the
     steady state); ``"sync"``: each batch's step waits for its last call, which then
     stands alone (the plan minimises that call's makespan)."""
+    weight_bytes: int = HALF
+    """Bytes of a weight in the model's dtype on the host: half precision, or 4 for an
+    fp32 model (``roundpipe train``'s default on the CPU), whose masters are then its
+    own weights (docs/design.md#host-memory). Only the host RAM's terms read it."""
+    greedy_plan: bool = False
+    """Plan by the paper's greedy rule (instant, memory not considered) instead of the
+    simulated search (seconds for a large model): for questions of bytes alone, such as
+    ``roundpipe train``'s memory check."""
     seq_chunk_tokens: int | None = None
     """Decoder layers' MLPs and norms tiled in chunks of this many tokens, the loss
     chunked as ``roundpipe.hf`` does it (docs/design.md#long-context); ``None``: the

@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 from dataclasses import dataclass
-from pathlib import Path
 
 from .breakdown import MemoryFit
 from .gpus import GIB, Gpu, gpu_preset
+from .host_memory import installed_ram
 from .host_settings import MASTER_COPY_BYTES, MASTER_GRADIENT_BYTES, MOMENT_BYTES, LeanSettings
 from .lean_fit import HostFit, lean_fit
 from .model_specs import ModelSpec, model_preset
@@ -173,7 +172,7 @@ def _workload(args: argparse.Namespace) -> Workload:
 def _print_longest(args: argparse.Namespace, spec: ModelSpec, gpu: Gpu, work: Workload) -> int:
     """``--max-seq-len``: the longest sequence and what bounds it; the host RAM is judged
     only against ``--host-ram`` (this machine is rarely the server asked about)."""
-    host_ram = int(args.host_ram * 1e9) if args.host_ram else None
+    host_ram = int(args.host_ram * GIB) if args.host_ram else None
     longest = max_seq_len(spec, gpu, work, host_ram)
     if args.json:
         print(json.dumps({"model": spec.name, "gpu": gpu.name, **longest.to_dict()}))
@@ -187,29 +186,13 @@ def _print_longest(args: argparse.Namespace, spec: ModelSpec, gpu: Gpu, work: Wo
 def _host_ram(args: argparse.Namespace) -> tuple[int | None, str]:
     """The host RAM to judge against, and where it came from."""
     if args.host_ram:
-        return int(args.host_ram * 1e9), HOST_RAM_FLAG
-    return machine_ram(), THIS_MACHINE
+        return int(args.host_ram * GIB), HOST_RAM_FLAG
+    return installed_ram(), THIS_MACHINE
 
 
-def machine_ram() -> int | None:
-    """This machine's physical RAM in bytes (``None`` where neither sysconf nor
-    /proc/meminfo tells)."""
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (AttributeError, ValueError, OSError):
-        pass
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemTotal:"):
-                return int(line.split()[1]) * 1024  # kB
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
-
-
-def _source_line(host_ram: int | None, source: str, flag_gb: float | None) -> str:
+def _source_line(host_ram: int | None, source: str, flag_gib: float | None) -> str:
     if source == HOST_RAM_FLAG:
-        return f"host RAM: {_gib_short(host_ram)} GiB ({HOST_RAM_FLAG} {flag_gb:g} GB)"
+        return f"host RAM: {_gib_short(host_ram)} GiB ({HOST_RAM_FLAG} {flag_gib:g})"
     if host_ram is None:
         return f"host RAM: unknown on this machine (give {HOST_RAM_FLAG} to judge it)"
     return (

@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 
 from ..core.plan import Plan, PlanError
 from ..core.tiling import DEFAULT_SEQ_CHUNK_TOKENS
-from ..planning.partition import auto_plan, step_objective
+from ..planning.partition import auto_plan, paper_greedy_plan, step_objective
 from ..planning.sim.baselines import BASELINES, simulate_baseline
 from ..planning.sim.costs import CostModel
 from ..planning.sim.roundpipe_schedule import isolated_iteration_time, steady_iteration_time
@@ -214,11 +214,15 @@ def _memory_fit(
     num_gpus: int,
     host_ram: int | None,
 ) -> MemoryFit:
-    """The automatic plan's memory, or the finest plan's when none fits the GPUs."""
+    """The automatic plan's memory (the greedy one's with ``work.greedy_plan``), or the
+    finest plan's when none fits the GPUs."""
     round_microbatches = work.round_microbatches(num_gpus)
     objective = step_objective(work.step != "sync")
     try:
-        plan = roundpipe_plan(costs, gpu, num_gpus, round_microbatches, objective)
+        if work.greedy_plan:
+            plan = paper_greedy_plan(costs.layers)
+        else:
+            plan = roundpipe_plan(costs, gpu, num_gpus, round_microbatches, objective)
         no_plan = ""
         terms_plan = plan
     except PlanError as error:
@@ -233,6 +237,7 @@ def _memory_fit(
         costs.layers.boundary_bytes,
         work.settings,
         model.quantized,
+        work.weight_bytes,
     )
     return MemoryFit(
         plan=plan,
@@ -310,6 +315,7 @@ def memory_at(
         costs.layers.boundary_bytes,
         at.settings,
         model.quantized,
+        at.weight_bytes,
     )
     return MemoryAt(device, _unit_name(stage.start, len(model.units)), host)
 

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from ..core.plan import Plan, PlanError
-from ..errors import install_hint
+from ..errors import install_hint, one_line_usage_errors
 from ..planning.partition import auto_plan, step_objective
 from ..planning.sim.baselines import BASELINES, simulate_baseline
 from ..planning.sim.costs import CostModel, LayerCosts
@@ -55,7 +55,9 @@ def add_simulate_parser(commands: Any) -> argparse.ArgumentParser:
         help="simulate RoundPipe and weight-bound baselines",
         description=DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
+        allow_abbrev=False,
     )
+    one_line_usage_errors(sim)
     sim.add_argument("--schedule", choices=(*SCHEDULES, "all"), default="all")
     sim.add_argument("--gpus", type=int, default=8, help="number of devices N")
     sim.add_argument("--microbatches", type=int, help="microbatches per iteration M")
@@ -106,7 +108,9 @@ def add_simulate_parser(commands: Any) -> argparse.ArgumentParser:
         default=DEFAULT_HOST_BANDWIDTH / 1e9,
         help="host memory GB/s shared by all copies and the CPU optimizer",
     )
-    model.add_argument("--host-ram", type=float, help="host RAM in GB (default: this machine's)")
+    model.add_argument(
+        "--host-ram", type=float, help="host RAM in GiB (default: this machine's installed RAM)"
+    )
     model.add_argument("--seq-len", type=int, default=4096)
     model.add_argument("--batch", type=int, default=16, help="sequences per iteration")
     model.add_argument("--lora", type=int, metavar="R", help="train rank-R LoRA adapters only")

@@ -78,6 +78,10 @@ class Call:
     """The seed its layers' random numbers derive from (:mod:`.seeds`)."""
     seq_chunk_tokens: int | None = None
     """What its layers see as ``roundpipe.core.tiling.seq_chunk_tokens()``."""
+    loss_weights: tuple[float, ...] | None = None
+    """What each microbatch's ``loss_fn`` value is multiplied by before its backward
+    (``scale_grads``: its share of the rows); the call's loss is the sum of the
+    products. None: by one."""
     mailbox: Mailbox = field(default_factory=Mailbox)
     latch: Latch = field(init=False)
     shape: CallShape = field(init=False)

@@ -57,6 +57,28 @@ def split_inputs(args: tuple, kwargs: dict, num: int) -> list[tuple[tuple, dict]
     return [(a, k) for a, k in split_tree((tuple(args), dict(kwargs)), num)]
 
 
+def microbatch_rows(inputs: list[Any]) -> list[int]:
+    """The rows of each microbatch (``inputs``: one tree per microbatch): the dim-0 size
+    its tensors share. Where some microbatch has none (a custom ``split_input``), every
+    microbatch counts as one row."""
+    rows = [_shared_rows(tree) for tree in inputs]
+    known = [r for r in rows if r is not None]
+    return known if len(known) == len(rows) else [1] * len(rows)
+
+
+def weights_by_rows(rows: list[int], total: float) -> tuple[float, ...] | None:
+    """Each microbatch's loss weight under ``scale_grads``: its share of the ``total``
+    rows its loss is a mean over; None where that is one (a single microbatch)."""
+    if rows == [total]:
+        return None
+    return tuple(r / total for r in rows)
+
+
+def _shared_rows(tree: Any) -> int | None:
+    sizes = {t.shape[0] for t in tensor_leaves(tree) if t.dim() > 0}
+    return sizes.pop() if len(sizes) == 1 else None
+
+
 def merge_outputs(outputs: list[Any]) -> Any:
     """Concatenate per-microbatch outputs along dim 0, leaf by leaf."""
     flat = [tree_flatten(out) for out in outputs]

@@ -65,6 +65,8 @@ class StageCompute:
                 with failure_site(f"loss_fn in {self.name}, microbatch {m}"):
                     loss = call.loss_fn(x[0][0], target)
                     _check_loss(loss)
+                if call.loss_weights is not None:  # its share of the call's loss
+                    loss = loss * call.loss_weights[m]
             scale = self.ctx.loss_scale
             scaled = loss if scale is None else loss * scale
             with failure_site(f"{self.name}, backward of microbatch {m}"):

@@ -1,8 +1,9 @@
 """Other projects' names for the options of ``roundpipe train``: the names
 ``transformers``' ``TrainingArguments`` and TRL give options that mean the same here are
-accepted, on the command line and in ``--config`` files; a name that means something
-else here, or one nobody knows, is refused with the nearest option (README: "Coming
-from Trainer / TRL")."""
+accepted, on the command line and in ``--config`` files (those whose values translate,
+``--bf16`` or ``--optim``, are :mod:`.trainer_flags`'); a name that means something
+else here, or one nobody knows, is refused, with a suggestion only where it is a
+spelling of the same option (docs/cli.md#coming-from-trainer--trl)."""
 
 from __future__ import annotations
 
@@ -12,8 +13,6 @@ from collections.abc import Callable, Iterable
 
 HF_NAMES: dict[str, str] = {
     "learning_rate": "lr",
-    "num_train_epochs": "epochs",
-    "max_steps": "steps",
     "warmup_steps": "warmup_steps",
     "warmup_ratio": "warmup_ratio",
     "weight_decay": "weight_decay",
@@ -26,6 +25,13 @@ HF_NAMES: dict[str, str] = {
     "lora_alpha": "lora_alpha",
     "lora_dropout": "lora_dropout",
     "lora_target_modules": "lora_targets",
+    "dataset_name": "data",
+    "dataset_train_split": "data_split",
+    "max_length": "seq_len",
+    "max_seq_length": "seq_len",
+    "save_steps": "save_every",
+    "eval_steps": "eval_every",
+    "save_total_limit": "keep_checkpoints",
 }
 """Their name -> our option's key, for options whose meaning is the same."""
 
@@ -54,17 +60,30 @@ def aliases_of(key: str) -> list[str]:
     return [n for n, ours in HF_NAMES.items() if ours == key and n != key.replace("_", "-")]
 
 
+SAME_SPELLING = 0.85
+"""How alike (``difflib``'s ratio, ignoring case, ``-`` and ``_``) an unknown name and a
+known one must be for the first to be taken for a misspelling of the second: a typo
+(``--learning_rat``, ``--warmup-ratoi``) is, another option of a similar name
+(``--save_steps`` and ``--max_steps``, 0.71) is not."""
+
+
 def hint(name: str, known: Iterable[str], spell: Callable[[str], str]) -> str:
     """What to add to the error for the unknown option ``name`` (without dashes):
-    ``" (did you mean X?)"`` with the nearest of ``known`` (spelled by ``spell``), and
-    for a Trainer batch option how ours differ; ``""`` if none is near."""
+    ``" (did you mean X?)"`` where one of ``known`` (spelled by ``spell``) is a spelling
+    of it (:data:`SAME_SPELLING`), and for a Trainer batch option how ours differ; ``""``
+    otherwise."""
     bare = name.lstrip("-")
     if bare in OTHER_MEANING:
         return (
             f" (did you mean {spell(OTHER_MEANING[bare])}? it means something else: {BATCH_NOTE})"
         )
-    close = difflib.get_close_matches(bare, list(known), n=1)
-    return f" (did you mean {spell(close[0])}?)" if close else ""
+    by_spelling = {_letters(k): k for k in known}
+    close = difflib.get_close_matches(_letters(bare), by_spelling, n=1, cutoff=SAME_SPELLING)
+    return f" (did you mean {spell(by_spelling[close[0]])}?)" if close else ""
+
+
+def _letters(name: str) -> str:
+    return name.lower().replace("-", "").replace("_", "")
 
 
 def refuse_unknown_options(parser: argparse.ArgumentParser, known: Iterable[str]) -> None:
@@ -98,7 +117,8 @@ def _as_flag(name: str, known: Iterable[str]) -> str:
 
 class JoinedNames(argparse.Action):
     """An option of names taking them comma-separated or, as TRL's
-    ``--lora_target_modules q_proj v_proj``, as separate words: stored comma-joined."""
+    ``--lora_target_modules q_proj v_proj`` and ``--report_to wandb tensorboard``, as
+    separate words: stored comma-joined."""
 
     def __call__(self, parser, namespace, values, option_string=None) -> None:
         setattr(namespace, self.dest, ",".join(values))

@@ -3,7 +3,9 @@
 ``Batches(dataset, batch_size, seed, packing=False, pad_id=0).batch(step)`` is a pure
 function of the data, the seed and ``step``, so a resumed run needs only the step
 number; rows are shuffled per epoch, padded, or packed once into windows of
-``dataset.seq_len`` tokens (docs/design.md#batches).
+``dataset.seq_len`` tokens (docs/design.md#batches). A batch of examples with images
+carries the model's image inputs for its rows' images, in row order; such examples
+are not packed.
 """
 
 from __future__ import annotations
@@ -33,6 +35,12 @@ class Batches:
         self.seed = seed
         self.packing = packing
         self.pad_id = pad_id
+        self.images = dataset.images
+        if packing and self.images is not None:
+            raise ValueError(
+                f"{dataset.path}: --packing with images: examples with images are not packed "
+                "yet; drop --packing"
+            )
         if packing:
             order = torch.randperm(len(self.examples), generator=_generator(seed)).tolist()
             lengths = [len(self.examples[i].input_ids) for i in order]
@@ -47,7 +55,13 @@ class Batches:
         rows = [[self.examples[i] for i in self.rows[r]] for r in self._row_indices(step)]
         if self.packing:
             return _packed_batch(rows, self.seq_len, self.pad_id)
-        return _padded_batch([row[0] for row in rows], self.pad_id)
+        examples = [row[0] for row in rows]
+        batch = _padded_batch(examples, self.pad_id)
+        if self.images is not None and any(example.images for example in examples):
+            images = [image for example in examples for image in example.images]
+            grids = [grid for example in examples for grid in example.grids]
+            batch.update(self.images.inputs(batch["input_ids"], images, grids))
+        return batch
 
     def num_tokens(self, step: int) -> int:
         """Tokens of the examples in batch ``step``, padding excluded."""

@@ -208,6 +208,34 @@ def read_checkpoint(path: Path) -> tuple[Found, Path]:
     return found, existing_checkpoint(shard_path(path, shard) if shard else path, shard)
 
 
+def newest_of_run(run: Path) -> tuple[Path, bool] | None:
+    """For ``roundpipe export --checkpoint RUN``: where ``run`` is a run's ``--output``
+    (it holds ``run.yaml`` or ``checkpoints/``), its newest checkpoint, and whether the
+    run finished there (its result, complete, was written after it: the same weights);
+    None for another directory (a checkpoint itself). A :class:`UsageError` for a run
+    without a checkpoint."""
+    from .result import result_complete
+
+    run = Path(run)
+    if (run / "state.json").is_file() or not (
+        (run / CHECKPOINTS_DIR).is_dir() or (run / "run.yaml").is_file()
+    ):
+        return None
+    worlds = saved_worlds(run)
+    if not worlds:
+        raise UsageError(
+            f"--checkpoint {run}: a run directory without a checkpoint (none in "
+            f"{run / CHECKPOINTS_DIR})"
+        )
+    newest = checkpoint_path(run, max(worlds))
+    try:
+        written_after = (run / "tokenizer_config.json").stat().st_mtime >= newest.stat().st_mtime
+    except OSError:
+        written_after = False
+    complete = any(result_complete(run, full) for full in (False, True))
+    return newest, complete and written_after
+
+
 def _check_world(flag: str, path: Path, saved_by: set[int], shard: dict | None) -> None:
     world = shard["world"] if shard else 1
     if world not in saved_by:

@@ -1,7 +1,7 @@
 """``roundpipe train``: the subcommand's parser and its run, from options to exit code
 (0; 2 for bad input before any training; 128 + the signal's number after a stop
-signal, 130 for Ctrl-C; 1 when the disk is full or another process failed). See
-:data:`DESCRIPTION`."""
+signal, 130 for Ctrl-C; 1 when the disk is full, the host memory runs out or another
+process failed). See :data:`DESCRIPTION`."""
 
 from __future__ import annotations
 
@@ -12,8 +12,11 @@ from pathlib import Path
 from typing import Any
 
 from ..cluster import PeerFailure
+from ..errors import one_line_usage_errors
+from .command_line import add_arguments, command_line_of, given_options
 from .disk import NoSpace
-from .options import OPTIONS, UsageError, add_arguments, read_config, resolve
+from .memory_check import OutOfHostMemory
+from .options import UsageError, resolve
 
 DESCRIPTION = """\
 Fine-tune a Hugging Face causal LM (a local directory or a hub id) on your data
@@ -24,9 +27,12 @@ Fine-tune a Hugging Face causal LM (a local directory or a hub id) on your data
 
 LoRA by default (--full trains every weight). --output receives the adapter (or the
 model) with its tokenizer, run.yaml (the resolved options, usable as --config),
-metrics.jsonl, loss.png and checkpoints/step-N; --resume continues from the newest
-checkpoint there (a finished run: nothing to do), --resume DIR from that checkpoint;
-roundpipe export turns a checkpoint into a model or adapter. Ctrl-C, SIGTERM and SIGHUP stop
+metrics.jsonl, loss.png and checkpoints/step-N; --output DIR --resume continues from
+the newest checkpoint there with the options of its run.yaml (a flag given overrides
+one: --steps N or --epochs E to train further; a finished run: nothing to do),
+--resume DIR from that checkpoint; roundpipe export turns a checkpoint into a model or
+adapter. Trainer's and TRL's names are accepted too (--learning_rate, --bf16,
+--use_peft, --max_steps, ...: see the last group below). Ctrl-C, SIGTERM and SIGHUP stop
 after the current step (a second Ctrl-C at once), write a checkpoint and exit with code
 128 + the signal's number (130 for Ctrl-C). One run at a time writes an --output (a
 second exits with code 2). Bad options or inputs exit with code 2 before anything is
@@ -59,24 +65,24 @@ def add_train_parser(commands: Any) -> argparse.ArgumentParser:
         help="fine-tune a Hugging Face causal LM (LoRA or full) on your data",
         description=DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
+        allow_abbrev=False,
     )
     add_arguments(parser)
+    one_line_usage_errors(parser)
     parser.set_defaults(run=run_train, train_parser=parser)
     return parser
 
 
 def run_train(args: argparse.Namespace) -> int:
     """The ``train`` subcommand: its exit code (see the module docstring)."""
-    keys = {option.key for option in OPTIONS}
-    command_line = {k: v for k, v in vars(args).items() if k in keys}
     try:
-        return _train(command_line)
+        return _train(command_line_of(args))
     except UsageError as error:
         args.train_parser.exit(EXIT_USAGE, f"roundpipe train: error: {error}\n")
     except KeyboardInterrupt:
         print("roundpipe train: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
-    except (PeerFailure, NoSpace) as error:  # another process failed; a full disk
+    except (PeerFailure, NoSpace, OutOfHostMemory) as error:  # another process; disk; RAM
         print(f"roundpipe train: error: {error}", file=sys.stderr)
         return EXIT_FAILED
     except ValueError as error:  # not bad input: keep it from the CLI's exit-2 handler
@@ -93,7 +99,8 @@ def _train(command_line: dict[str, Any]) -> int:
     check_packages()
     quiet_imports()
     ranks = from_environment()
-    config = read_config(command_line["config"]) if command_line.get("config") else {}
+    given = given_options(command_line)
+    config, command_line = given.config, given.command_line
     user = {**config, **command_line}
     check_several(ranks, user.get("precision"), bool(user.get("demo")))
     with contextlib.ExitStack() as held:
@@ -106,6 +113,7 @@ def _train(command_line: dict[str, Any]) -> int:
         check_several(ranks, options.precision, options.demo)
         with joined(ranks, options.dist_timeout):
             prepared = prepare(options, ranks)  # nothing written before it passed
+            prepared.notes[:0] = given.notes
             if demo is None:
                 held.enter_context(holding(prepared.options.output, ranks))
             prepared = find_start(prepared, ranks)
@@ -129,10 +137,12 @@ def _print_finished(prepared: Any, main: bool) -> None:
     if not main:
         return
     found, o = prepared.resume_from[0], prepared.options
+    by_epochs = o.steps is None and o.epochs is not None
+    span = f"{o.epochs:g} epochs ({prepared.total_steps} steps)" if by_epochs else None
     print(
-        f"{o.output} is finished: all {prepared.total_steps} steps are done "
+        f"{o.output} is finished: all {span or f'{prepared.total_steps} steps'} are done "
         f"({found.path.name}) and the {result_name(o.full)} is written; nothing to do "
-        "(raise --steps to train further)",
+        f"(raise {'--epochs' if by_epochs else '--steps'} to train further)",
         flush=True,
     )
 

@@ -6,7 +6,9 @@ Records are read by :mod:`roundpipe.train.sources` and normalised to three forma
 labels are in Hugging Face's convention with the first label of every example
 ``-100`` so examples can be packed side by side; long examples are truncated and
 examples with nothing to learn dropped, both counted per source; ``--eval-split``
-holds out a seeded share of the records (docs/design.md#training-data). Batches are
+holds out a seeded share of the records (docs/design.md#training-data). Chat records
+with images (:mod:`roundpipe.train.images`) keep their images' references, and their
+image tokens stand for the images as the model's processor stands them. Batches are
 built by :mod:`roundpipe.train.batches`.
 """
 
@@ -20,6 +22,7 @@ import torch
 
 from .chat import IGNORE_INDEX, chat_examples, special_token_ids, whole_chat_example
 from .formats import normalise, parse_fields
+from .images import ImageReader, resolve_image
 from .sources import DataError, Records, read_source, split_sources
 
 __all__ = ["DataError", "Dataset", "Example", "load_dataset", "load_held_out", "pad_token_id"]
@@ -32,6 +35,8 @@ class Example:
 
     input_ids: tuple[int, ...]
     labels: tuple[int, ...]
+    images: tuple = ()  # the images its image tokens stand for, resolved (paths, bytes, PIL)
+    grids: tuple = ()  # their patch grids, (t, h, w) each, as measured when read
 
     @property
     def num_label_tokens(self) -> int:
@@ -63,6 +68,7 @@ class Dataset:
     truncated: int
     dropped: int
     sources: tuple[SourceCounts, ...] = ()
+    images: ImageReader | None = None  # what turns the examples' images into inputs
 
 
 @dataclass(frozen=True)
@@ -82,14 +88,16 @@ def load_dataset(
     split: str = "train",
     fields: str | None = None,
     train_on_prompt: bool = False,
+    images: ImageReader | None = None,
 ) -> Dataset:
     """Reads, checks and tokenizes ``sources`` (one, or several comma-separated; see
     :func:`~roundpipe.train.sources.read_source`) with ``split`` for hub and
-    ``datasets`` sources and the ``--data-fields`` mapping ``fields``; raises
+    ``datasets`` sources and the ``--data-fields`` mapping ``fields``; ``images`` reads
+    the images of vision chat records (without it they are refused); raises
     :class:`DataError`."""
     _check_seq_len(seq_len)
     parts = _read(sources, split, fields)
-    return _tokenized_dataset(str(sources), parts, tokenizer, seq_len, train_on_prompt)
+    return _tokenized_dataset(str(sources), parts, tokenizer, seq_len, train_on_prompt, images)
 
 
 def load_held_out(
@@ -102,6 +110,7 @@ def load_held_out(
     split: str = "train",
     fields: str | None = None,
     train_on_prompt: bool = False,
+    images: ImageReader | None = None,
 ) -> tuple[Dataset, Dataset]:
     """``(train, held out)``: the records of all ``sources`` in order, numbered 0..n-1;
     the first ``round(fraction * n)`` of ``torch.randperm(n)`` drawn with
@@ -132,9 +141,10 @@ def load_held_out(
                 side.append(_Part(part.format, part.description, records))
         offset += count
     name = str(sources)
+    held_out = f"{name} (held out)"
     return (
-        _tokenized_dataset(name, sides[0], tokenizer, seq_len, train_on_prompt),
-        _tokenized_dataset(f"{name} (held out)", sides[1], tokenizer, seq_len, train_on_prompt),
+        _tokenized_dataset(name, sides[0], tokenizer, seq_len, train_on_prompt, images),
+        _tokenized_dataset(held_out, sides[1], tokenizer, seq_len, train_on_prompt, images),
     )
 
 
@@ -153,7 +163,12 @@ def _read(sources: str | Path, split: str, fields: str | None) -> list[_Part]:
 
 
 def _tokenized_dataset(
-    name: str, parts: list[_Part], tokenizer: Any, seq_len: int, train_on_prompt: bool
+    name: str,
+    parts: list[_Part],
+    tokenizer: Any,
+    seq_len: int,
+    train_on_prompt: bool,
+    images: ImageReader | None,
 ) -> Dataset:
     special = special_token_ids(tokenizer)
     adds_eos = _adds_eos(tokenizer)
@@ -164,22 +179,25 @@ def _tokenized_dataset(
         if part.format == "messages" and not getattr(tokenizer, "chat_template", None):
             raise DataError(
                 f"{records.source} holds chat data ({part.description}) but the tokenizer has "
-                "no chat template; give a model whose tokenizer has one, or write the data as "
-                '"text" or "prompt"+"completion", which need none'
+                "no chat template (a base model?); give one with --chat-template (a Jinja "
+                'file, or chatml, llama3, qwen3), or write the data as "text" or '
+                '"prompt"+"completion", which need none'
             )
         kept, truncated, dropped = len(examples), 0, 0
+        base = _folder(records.source)
         for i, record in enumerate(records.rows):
             try:
                 pairs = _tokenized(record, part.format, tokenizer, adds_eos, train_on_prompt)
+                pictured = _with_images(pairs, record, images, base, seq_len)
             except ValueError as error:
                 raise DataError(f"{records.where(i)}: {error}") from error
-            for ids, labels in pairs:
+            for ids, labels, extra in pictured:
                 labels = [IGNORE_INDEX, *labels[1:seq_len]][: len(ids)]
                 if not any(label != IGNORE_INDEX and label not in special for label in labels):
                     dropped += 1
                     continue
                 truncated += len(ids) > seq_len
-                examples.append(Example(tuple(ids[:seq_len]), tuple(labels)))
+                examples.append(Example(tuple(ids[:seq_len]), tuple(labels), *extra))
         counts.append(
             SourceCounts(records.label, part.description, len(examples) - kept, truncated, dropped)
         )
@@ -193,7 +211,42 @@ def _tokenized_dataset(
     formats = "+".join(dict.fromkeys(part.format for part in parts))
     total_truncated = sum(count.truncated for count in counts)
     total_dropped = sum(count.dropped for count in counts)
-    return Dataset(name, formats, seq_len, examples, total_truncated, total_dropped, tuple(counts))
+    pictured = images if any(example.images for example in examples) else None
+    return Dataset(
+        name, formats, seq_len, examples, total_truncated, total_dropped, tuple(counts), pictured
+    )
+
+
+def _folder(source: str) -> Path | None:
+    """The folder of a data file, against which its relative image paths are read."""
+    path = Path(source)
+    return path.parent if path.is_file() else None
+
+
+def _with_images(
+    pairs: list, record: dict, images: ImageReader | None, base: Path | None, seq_len: int
+) -> list[tuple[list[int], list[int], tuple]]:
+    """``(ids, labels, (images, grids))`` of each pair: a record with images has its
+    image tokens stood for by its images' tokens (which cannot be cut at ``seq_len``)."""
+    if not record.get("images"):
+        return [(ids, labels, ()) for ids, labels in pairs]
+    if images is None:
+        raise ValueError("the record has images, but this data is read without a model")
+    if len(pairs) != 1:
+        raise ValueError(
+            "the chat template rewrites earlier turns, giving one example per assistant "
+            "turn; a conversation with images must be one example (a template that keeps "
+            "earlier turns)"
+        )
+    (ids, labels), resolved = pairs[0], [resolve_image(image, base) for image in record["images"]]
+    ids, labels, grids = images.expand(ids, labels, resolved)
+    if len(ids) > seq_len:
+        raise ValueError(
+            f"its {len(ids)} tokens (with the image tokens of its {len(grids)} image(s)) "
+            f"exceed --seq-len {seq_len}, and image tokens cannot be cut; raise --seq-len "
+            "or use smaller images"
+        )
+    return [(ids, labels, (tuple(resolved), grids))]
 
 
 def pad_token_id(tokenizer: Any) -> int:

@@ -19,6 +19,7 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
+from ..errors import one_line_usage_errors
 from .options import OPTIONS, PRECISIONS, TrainOptions, UsageError
 
 DESCRIPTION = """\
@@ -41,9 +42,12 @@ def add_export_parser(commands: Any) -> argparse.ArgumentParser:
         help="a checkpoint of roundpipe train as a transformers model or peft adapter",
         description=DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
+        allow_abbrev=False,
     )
+    one_line_usage_errors(parser)
     parser.add_argument("--checkpoint", type=Path, required=True, metavar="DIR",
-                        help="a checkpoints/step-N directory of a roundpipe train run")  # fmt: skip
+                        help="a checkpoints/step-N directory of a roundpipe train run, or "
+                        "the run's --output (its newest checkpoint)")  # fmt: skip
     parser.add_argument("--output", type=Path, required=True, metavar="DIR",
                         help="where the model or adapter goes (new or empty)")  # fmt: skip
     parser.add_argument("--merge", action="store_true",
@@ -60,29 +64,37 @@ def run_export(args: argparse.Namespace) -> int:
 
     quiet_imports()
     try:
-        written = export(args.checkpoint, args.output, args.merge, args.save_dtype)
+        checkpoint = _newest_if_run(args.checkpoint)
+        written = export(checkpoint, args.output, args.merge, args.save_dtype)
     except UsageError as error:
         args.export_parser.exit(EXIT_USAGE, f"roundpipe export: error: {error}\n")
     print(f"wrote the {written} to {args.output}", flush=True)
     return 0
 
 
+def _newest_if_run(checkpoint: Path) -> Path:
+    """``--checkpoint``: a checkpoint, or a run's ``--output``, which gives its newest
+    (said on the screen)."""
+    from .checkpoints import newest_of_run
+
+    found = newest_of_run(checkpoint)
+    if found is None:
+        return checkpoint
+    newest, finished = found
+    then = "; the run finished there: the weights it saved in it" if finished else ""
+    print(f"exporting {newest}, the newest checkpoint of {checkpoint}{then}", flush=True)
+    return newest
+
+
 def export(checkpoint: Path, output: Path, merge: bool = False, dtype_name: str | None = None):
     """Write checkpoint ``checkpoint`` into ``output`` (see the module docstring);
     returns what was written ("model", "LoRA adapter", "merged model")."""
-    from .checkpoints import read_checkpoint
     from .hub import resolve_model
     from .result import save_result
 
     checkpoint, output = Path(checkpoint).absolute(), Path(output).absolute()
     _check_output(output)
-    try:
-        found, where = read_checkpoint(checkpoint)
-    except (OSError, ValueError, KeyError, TypeError) as error:
-        raise UsageError(
-            f"--checkpoint {checkpoint}: not a readable checkpoint ({error})"
-        ) from error
-    options = _run_options(found.options, checkpoint)
+    options, where = read_run_checkpoint(checkpoint)
     if merge and options.full:
         raise UsageError(
             f"--merge: {checkpoint} is a checkpoint of a --full run (the whole model): "
@@ -90,8 +102,8 @@ def export(checkpoint: Path, output: Path, merge: bool = False, dtype_name: str 
         )
     source = resolve_model(options.model, options.revision)
     dtype = _save_dtype(options, source.directory, merge, dtype_name)
-    model = _model(source.directory, options, _trained_weights(where), merge)
-    tokenizer = _tokenizer(source.directory)
+    model = trained_model(source.directory, options, trained_weights(where), merge)
+    tokenizer = run_tokenizer(source.directory, options)
     output.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{output.name}.export-", dir=output.parent))
     umask = os.umask(0)
@@ -131,6 +143,20 @@ def _check_output(output: Path) -> None:
         raise UsageError(f"--output {output}: exists and is not empty (choose a new directory)")
 
 
+def read_run_checkpoint(checkpoint: Path) -> tuple[TrainOptions, Path]:
+    """The options of the run that saved ``checkpoint`` and the directory of its files
+    (``roundpipe export`` and ``roundpipe chat --checkpoint``)."""
+    from .checkpoints import read_checkpoint
+
+    try:
+        found, where = read_checkpoint(checkpoint)
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise UsageError(
+            f"--checkpoint {checkpoint}: not a readable checkpoint ({error})"
+        ) from error
+    return _run_options(found.options, checkpoint), where
+
+
 def _run_options(record: dict, checkpoint: Path) -> TrainOptions:
     """The run's options from the checkpoint's record, over the defaults (no checks: the
     run checked them, and its devices need not exist here)."""
@@ -144,7 +170,7 @@ def _run_options(record: dict, checkpoint: Path) -> TrainOptions:
         ) from error
 
 
-def _trained_weights(where: Path) -> dict:
+def trained_weights(where: Path) -> dict:
     """The checkpoint's trained parameters by name: its ``param/`` tensors."""
     import safetensors.torch
 
@@ -152,7 +178,7 @@ def _trained_weights(where: Path) -> dict:
     return {k.removeprefix("param/"): v for k, v in tensors.items() if k.startswith("param/")}
 
 
-def _model(directory: Path, options: TrainOptions, weights: dict, merge: bool):
+def trained_model(directory: Path, options: TrainOptions, weights: dict, merge: bool):
     """The model to save: the base with the trained weights put in (``--full``), the
     peft model of its adapter, or the base with the adapter merged."""
     from .model_checks import lora_config
@@ -205,7 +231,12 @@ def _put(model, weights: dict, directory: Path) -> None:
         setattr(module, leaf, torch.nn.Parameter(tensor, requires_grad=old.requires_grad))
 
 
-def _tokenizer(directory: Path):
+def run_tokenizer(directory: Path, options: TrainOptions):
+    """The tokenizer as the run used it: the base's, with the run's ``--chat-template``."""
     import transformers
 
-    return transformers.AutoTokenizer.from_pretrained(directory)
+    from .chat_templates import apply_chat_template_option
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(directory)
+    apply_chat_template_option(tokenizer, options.chat_template)
+    return tokenizer

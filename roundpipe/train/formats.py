@@ -7,7 +7,10 @@ A source's records are all of one format, told by its fields: ``text``; ``prompt
 loss on the completion's assistant messages); ``messages``; Alpaca (``instruction``,
 ``input``, ``output``: a prompt and completion); ShareGPT (``conversations`` of
 ``from``/``value`` turns: messages). Message content may be a list of text parts
-(joined). ``--data-fields`` renames columns first (docs/design.md#training-data).
+(joined). Chat records with an ``images`` column (TRL's vision format) keep their
+content parts, ``{"type": "image"}`` ones standing for the column's images in order
+(:mod:`roundpipe.train.images`). ``--data-fields`` renames columns first
+(docs/design.md#training-data).
 """
 
 from __future__ import annotations
@@ -145,8 +148,10 @@ def _normalised(record: dict, allowed: set[str]) -> tuple[str, dict]:
             raise ValueError(f'a {_DESCRIPTIONS[kind]} record lacks "{key}"')
     if kind == "text":
         return kind, {"text": _string(record, "text")}
+    images = _images(record) if kind in ("messages", "prompt_completion") else None
     if kind == "messages":
-        return kind, {"messages": _messages(record["messages"], "messages"), "learn_from": 0}
+        messages = _messages(record["messages"], "messages", images is not None)
+        return kind, _with_images({"messages": messages, "learn_from": 0}, images)
     if kind == "sharegpt":
         return kind, {"messages": _sharegpt(record["conversations"]), "learn_from": 0}
     if kind == "alpaca":
@@ -158,10 +163,15 @@ def _normalised(record: dict, allowed: set[str]) -> tuple[str, dict]:
         return kind, {"prompt": prompt, "completion": output}
     prompt, completion = record["prompt"], record["completion"]
     if isinstance(prompt, list) and isinstance(completion, list):
-        prompt, completion = _messages(prompt, "prompt"), _messages(completion, "completion")
+        parts = images is not None
+        prompt = _messages(prompt, "prompt", parts)
+        completion = _messages(completion, "completion", parts)
         if not any(message["role"] == "assistant" for message in completion):
             raise ValueError('the "completion" has no assistant message, so nothing to learn')
-        return "conversational", {"messages": prompt + completion, "learn_from": len(prompt)}
+        normalised = {"messages": prompt + completion, "learn_from": len(prompt)}
+        return "conversational", _with_images(normalised, images)
+    if images is not None:
+        raise ValueError('"images" go with conversational records (lists of messages)')
     if isinstance(prompt, str) and isinstance(completion, str):
         return kind, {"prompt": prompt, "completion": completion}
     raise ValueError(
@@ -176,9 +186,39 @@ def _string(record: dict, key: str) -> str:
     return record[key]
 
 
-def _messages(messages: Any, key: str) -> list[dict]:
-    """Checked messages, each with its content as one string and without the empty
-    (``None``) keys a table gives messages that lack them."""
+def _images(record: dict) -> list | None:
+    """The record's ``images`` column (``None`` without one, or an empty one)."""
+    images = record.get("images")
+    if images is None or (isinstance(images, list) and not images):
+        return None
+    if not isinstance(images, list):
+        raise ValueError(f'"images" must be a list of images, got {type(images).__name__}')
+    return images
+
+
+def _with_images(normalised: dict, images: list | None) -> dict:
+    """A chat record with its images, checked against its image parts."""
+    if images is None:
+        return normalised
+    parts = sum(
+        1
+        for message in normalised["messages"]
+        if isinstance(message["content"], list)
+        for part in message["content"]
+        if part["type"] == "image"
+    )
+    if parts != len(images):
+        raise ValueError(
+            f'the messages hold {parts} image part(s) ({{"type": "image"}}) but "images" '
+            f"has {len(images)} image(s); each image part stands for the next image"
+        )
+    return {**normalised, "images": images}
+
+
+def _messages(messages: Any, key: str, parts: bool = False) -> list[dict]:
+    """Checked messages, each with its content as one string (``parts``: a list of
+    text and image parts kept as such) and without the empty (``None``) keys a table
+    gives messages that lack them."""
     if not isinstance(messages, list) or not messages:
         raise ValueError(
             f'"{key}" must be a non-empty list of {{"role": ..., "content": ...}} objects'
@@ -191,15 +231,16 @@ def _messages(messages: Any, key: str) -> list[dict]:
             raise ValueError(
                 f'message {number}: "role" must be a string, got {_got(message, "role")}'
             )
-        content = _content(message, number)
+        content = _content(message, number, parts)
         checked.append({**{k: v for k, v in message.items() if v is not None}, "content": content})
     return checked
 
 
-def _content(message: dict, number: int) -> str:
+def _content(message: dict, number: int, images: bool = False) -> str | list[dict]:
     """A message's content as a string; a list of text parts (``{"type": "text",
     "text": ...}``, the multimodal layout) is joined, as chat templates that take parts
-    render them; a part of another type cannot be trained on here."""
+    render them. With ``images`` (a record with an ``images`` column) the list is kept,
+    checked, with its ``{"type": "image"}`` parts; other parts cannot be trained on."""
     content = message.get("content")
     if isinstance(content, str):
         return content
@@ -208,17 +249,21 @@ def _content(message: dict, number: int) -> str:
             f'message {number}: "content" must be a string, got {_got(message, "content")} '
             '(or a list of {"type": "text", "text": ...} parts)'
         )
-    texts = []
+    parts = []
     for index, part in enumerate(content, start=1):
         kind = part.get("type") if isinstance(part, dict) else None
-        if kind != "text" or not isinstance(part.get("text"), str):
+        if kind == "text" and isinstance(part.get("text"), str):
+            parts.append({"type": "text", "text": part["text"]})
+        elif kind == "image" and images:
+            parts.append({"type": "image"})
+        else:
             what = f"of type {kind!r}" if isinstance(part, dict) else type(part).__name__
             raise ValueError(
                 f"message {number}: content part {index} is {what}; only text parts "
-                '({"type": "text", "text": ...}) can be trained on'
+                '({"type": "text", "text": ...}) can be trained on, and image parts '
+                '({"type": "image"}) with the record\'s "images" column'
             )
-        texts.append(part["text"])
-    return "".join(texts)
+    return parts if images else "".join(part["text"] for part in parts)
 
 
 def _sharegpt(turns: Any) -> list[dict]:

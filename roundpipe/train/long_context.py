@@ -28,7 +28,7 @@ _PRECISION_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 AUTO_PLAN_SHARE = 0.5
 """Up to this share of the untiled layers' longest sequence the automatic plan is kept;
 above it the plan the prediction is of is pinned: the automatic planner does not see
-the tensors autograd saves inside a layer (README "Status")."""
+the tensors autograd saves inside a layer (docs/design.md#known-gaps)."""
 CHUNKS = tuple(DEFAULT_SEQ_CHUNK_TOKENS >> k for k in range(5))
 """The chunks tried, largest first: ``DEFAULT_SEQ_CHUNK_TOKENS`` down to a sixteenth."""
 

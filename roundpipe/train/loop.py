@@ -30,6 +30,7 @@ from .checkpoints import (
 from .disk import SMALL_FILE, writing
 from .hub import ModelSource, resolve_model
 from .long_context import fit_sequences, tiling_note
+from .memory_check import reporting_host_memory
 from .model_checks import lora_config
 from .optim import (
     Optimization,
@@ -315,13 +316,16 @@ class Run:
         if self.prepared.eval_batches is not None and (evaluate or step == self.total):
             eval_loss = mean_token_loss(self.pipe, self.prepared.eval_batches, self.ranks)
         lr = o.lr * lr_factor(index, self.warmup, self.total, o.schedule)  # the step's
-        record = {"step": step, "loss": loss, "lr": lr, "tokens": position.tokens,
+        epoch = step / batches.steps_per_epoch  # as Trainer logs it
+        record = {"step": step, "epoch": epoch, "loss": loss, "lr": lr,
+                  "tokens": position.tokens, "num_tokens": position.tokens,
                   "tokens_per_s": tokens_per_s, "elapsed_s": position.elapsed_s}  # fmt: skip
         if eval_loss is not None:
             record["eval_loss"] = eval_loss
         self.rows.add(record)  # written once the step has measured its gradient norm
         self._write_rows()
-        self.progress.update(StepReport(step, loss, lr, tokens_per_s, eval_loss))
+        shown = epoch if o.steps is None else None
+        self.progress.update(StepReport(step, loss, lr, tokens_per_s, eval_loss, shown))
         save = (o.save_every is not None and step % o.save_every == 0) or step == self.total
         if save:
             self._save_checkpoint(position)
@@ -367,7 +371,9 @@ class Run:
 
     def _plot(self) -> None:
         if self.main:
-            title = self._model_name()
+            o = self.options
+            how = "full fine-tune" if o.full else f"LoRA r{o.lora_r}"
+            title = f"{self.output.name}: {self._model_name()}, {how}"
             with self._writing(self.output / PLOT_FILE, PLOT_BYTES):
                 plot_losses(self.metrics.records(), self.output / PLOT_FILE, title=title)
 
@@ -398,5 +404,13 @@ class Run:
 def train(prepared: Prepared, stream: TextIO | None = None, ranks: Ranks | None = None) -> Outcome:
     """Run ``prepared`` (see :class:`Run`) in its ``--output``, which exists and which
     this process holds (:func:`roundpipe.train.lock.holding`); progress and messages go
-    to ``stream`` (on rank 0 of ``ranks``, the processes of a ``torchrun`` launch)."""
-    return Run(prepared, stream, ranks).train()
+    to ``stream`` (on rank 0 of ``ranks``, the processes of a ``torchrun`` launch).
+    Running out of host memory raises :class:`~.memory_check.OutOfHostMemory`."""
+    run = Run(prepared, stream, ranks)
+
+    def newest():
+        step = run.saved_step
+        return None if step is None else (step, checkpoint_path(run.output, step))
+
+    with reporting_host_memory(newest):
+        return run.train()

@@ -22,18 +22,24 @@ WEIGHT_FILES = (SINGLE_FILE, INDEX_FILE)  # what roundpipe.from_pretrained loads
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
 
 
-def check_model(options: TrainOptions, source: ModelSource) -> Any:
-    """Check ``--model``, found in ``source`` (see the module docstring); returns its
-    config."""
-    model, flag = source.directory, source.describe(str(options.model))
+def model_config(options: TrainOptions, source: ModelSource) -> Any:
+    """The config of ``--model``, found in ``source``, once its files are checked
+    (nothing is built yet)."""
     if options.save_dtype is not None and not options.full:
         raise UsageError(
             f"--save-dtype {options.save_dtype} sets the dtype of a --full model; a LoRA "
             "adapter is saved as peft saves it (to save a merged model in a dtype: "
             "roundpipe export --merge --save-dtype)"
         )
-    _check_files(model, flag, source.hub_id is not None)
-    config = _config(model, flag)
+    flag = source.describe(str(options.model))
+    _check_files(source.directory, flag, source.hub_id is not None)
+    return _config(source.directory, flag)
+
+
+def check_model(options: TrainOptions, source: ModelSource) -> None:
+    """Check ``--model``, found in ``source`` and its config read by
+    :func:`model_config`, on the ``meta`` device (see the module docstring)."""
+    model, flag = source.directory, source.describe(str(options.model))
     from ..hf.loading import plan_pretrained
 
     try:
@@ -44,7 +50,6 @@ def check_model(options: TrainOptions, source: ModelSource) -> Any:
     if not options.full:
         _check_lora_targets(empty, options, source.name)
     _check_replayable(empty, flag)
-    return config
 
 
 def _check_replayable(empty, flag: str) -> None:

@@ -56,11 +56,11 @@ def check(options: TrainOptions, given: set[str]) -> None:
         )
     if o.eval_split is not None and not 0 < o.eval_split < 1:
         raise UsageError(f"--eval-split must be a fraction in (0, 1), got {o.eval_split}")
-    for key in ("lora_r", "steps", "epochs", "batch_size", "seq_len", "microbatches",
+    for key in ("lora_r", "steps", "batch_size", "seq_len", "microbatches",
                 "eval_every", "save_every", "keep_checkpoints"):  # fmt: skip
         _check_at_least(key, getattr(o, key), 1)
-    for key in ("lr", "lora_alpha", "dist_timeout"):
-        if getattr(o, key) <= 0:
+    for key in ("lr", "lora_alpha", "dist_timeout", "epochs"):
+        if getattr(o, key) is not None and getattr(o, key) <= 0:
             raise UsageError(f"{flag(key)} must be positive, got {getattr(o, key)}")
     for key in ("warmup_steps", "grad_clip", "weight_decay"):
         _check_at_least(key, getattr(o, key), 0)

@@ -1,20 +1,21 @@
 """The options of ``roundpipe train``: one table for the command line, ``--config`` YAML
 files and ``run.yaml``.
 
-Defaults, the ``--demo`` preset, a ``--config`` file and the command line, each
-overriding the one before, merged and checked by :func:`resolve`; what needs the model
-is checked later (docs/design.md#train-options).
+Defaults, the ``--demo`` preset, a ``--config`` file (or, resuming, the run's
+``run.yaml``) and the command line, each overriding the one before, merged and checked
+by :func:`resolve`; Trainer's and TRL's names are translated first
+(:func:`roundpipe.train.command_line.given_options`); what needs the model is checked
+later (docs/design.md#train-options).
 """
 
 from __future__ import annotations
 
-import argparse
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
-from .aliases import JoinedNames, aliases_of, refuse_unknown_options
 from .config_file import read_options
 from .machine import machine_defaults
 from .option_checks import (
@@ -28,6 +29,7 @@ from .option_checks import (
     check,
     check_dtypes,
 )
+from .trainer_flags import trains_every_weight, translate
 from .usage import UsageError
 
 SHAPE_KEYS = ("model", "full", "lora_r", "lora_targets")
@@ -37,6 +39,13 @@ STATE_KEYS = ("optimizer_states", "master_weights", "quantize")
 state and of the weights it loads into (absent from an older record: their defaults)."""
 INVOCATION_KEYS = ("config", "demo", "resume", "dist_timeout")
 """Options about how this command was started, not about the run (left out of run.yaml)."""
+RUN_YAML = "run.yaml"
+
+
+def count_or_fraction(text: str) -> int | float:
+    """``2`` -> 2, ``0.5`` -> 0.5 (``--epochs``, which may be a fraction as Trainer's)."""
+    value = float(text)
+    return int(value) if value.is_integer() else value
 
 
 @dataclass(frozen=True)
@@ -101,7 +110,14 @@ OPTIONS: tuple[Option, ...] = (
         "hold out this fraction of --data for evaluation, drawn with --seed",
         _IO,
     ),
-    Option("config", Path, None, "a YAML file of these options (flags given here win)", _IO),
+    Option(
+        "config",
+        Path,
+        None,
+        "a YAML file of these options (flags given here win; with --resume and no --config: "
+        "--output's run.yaml)",
+        _IO,
+    ),
     Option("demo", None, False, "train a tiny model on a built-in chat set (no --model)", _IO),
     Option("full", None, False, "train every weight instead of a LoRA adapter", _LORA),
     Option("lora-r", int, 16, "LoRA rank", _LORA),
@@ -129,6 +145,14 @@ OPTIONS: tuple[Option, ...] = (
         "also train on prompts and user turns (default: completions and assistant turns)",
         _LORA,
     ),
+    Option(
+        "chat-template",
+        str,
+        None,
+        "a Jinja chat template file, or a built-in name: chatml, llama3, qwen3; for a base "
+        "model without a template",
+        _IO,
+    ),
     Option("devices", str, None, "'cuda', 'cuda:0,1' or 'emulated:N' (default: cuda if any)", _RUN),
     Option(
         "precision",
@@ -139,6 +163,13 @@ OPTIONS: tuple[Option, ...] = (
         PRECISIONS,
     ),
     Option("sync", None, False, "exact synchronous optimizer steps (default: async)", _RUN),
+    Option(
+        "memory-check",
+        None,
+        True,
+        "skip the check that the run fits this machine's host memory before loading the model",
+        _RUN,
+    ),
     Option(
         "microbatches",
         int,
@@ -157,10 +188,18 @@ OPTIONS: tuple[Option, ...] = (
         "steps",
         int,
         None,
-        "optimizer steps; may be raised on --resume (the LR schedule then spans the new total)",
+        "optimizer steps; may be raised on --resume (the LR schedule then spans the new "
+        "total; given on --resume, it replaces the run's --epochs)",
         _LENGTH,
     ),
-    Option("epochs", int, None, "passes over the data (default 1 without --steps)", _LENGTH),
+    Option(
+        "epochs",
+        count_or_fraction,
+        None,
+        "passes over the data, a fraction too: 0.5 is half an epoch's steps, rounded up "
+        "(default 1 without --steps; given on --resume, it replaces the run's --steps)",
+        _LENGTH,
+    ),
     Option("batch-size", int, 8, "sequences per step", _LENGTH),
     Option("seq-len", int, None, "tokens per sequence (default 1024 or the model's max)", _LENGTH),
     Option("packing", None, False, "pack several examples into each sequence", _LENGTH),
@@ -202,7 +241,8 @@ OPTIONS: tuple[Option, ...] = (
         "resume",
         None,
         False,
-        "continue from the newest checkpoint in --output, or from checkpoint DIR there",
+        "continue from the newest checkpoint in --output, or from checkpoint DIR there, "
+        "with the options of its run.yaml (a flag given here overrides one)",
         _SAVE,
     ),
     Option(
@@ -221,17 +261,7 @@ OPTIONS: tuple[Option, ...] = (
         _SAVE,
     ),
 )
-_BY_KEY = {option.key: option for option in OPTIONS}
-_METAVARS = {
-    "model": "DIR|ID", "revision": "REV", "data": "SOURCES", "data_split": "SPLIT",
-    "data_fields": "MAP", "output": "DIR", "eval_data": "SOURCES", "eval_split": "FRACTION",
-    "config": "FILE", "warmup_ratio": "RATIO", "report_to": "NAMES",
-    "lora_r": "R", "lora_alpha": "ALPHA", "lora_targets": "NAMES", "lora_dropout": "P",
-    "devices": "SPEC", "microbatches": "M", "dist_timeout": "SECONDS", "steps": "N",
-    "epochs": "E", "batch_size": "B",
-    "seq_len": "S", "seed": "SEED", "lr": "LR", "warmup_steps": "W", "grad_clip": "NORM",
-    "weight_decay": "WD", "eval_every": "N", "save_every": "N", "keep_checkpoints": "K",
-}  # fmt: skip
+BY_KEY = {option.key: option for option in OPTIONS}
 
 
 @dataclass(frozen=True)
@@ -255,13 +285,15 @@ class TrainOptions:
     lora_dropout: float
     quantize: str
     train_on_prompt: bool
+    chat_template: str | None
     devices: str | None
     precision: str | None
     sync: bool
+    memory_check: bool
     microbatches: int | None
     dist_timeout: float
     steps: int | None
-    epochs: int | None
+    epochs: int | float | None
     batch_size: int
     seq_len: int | None
     packing: bool
@@ -287,6 +319,13 @@ class TrainOptions:
             return "all-linear"
         return [name.strip() for name in self.lora_targets.split(",") if name.strip()]
 
+    def total_steps(self, steps_per_epoch: int) -> int:
+        """The run's optimizer steps: ``--steps``, else ``--epochs`` (default 1) of
+        ``steps_per_epoch``, rounded up as Trainer rounds ``num_train_epochs``."""
+        if self.steps is not None:
+            return self.steps
+        return math.ceil((self.epochs or 1) * steps_per_epoch)
+
     def trackers(self) -> list[str]:
         """``--report-to`` as a list of names (empty for none)."""
         names = [name.strip() for name in self.report_to.split(",") if name.strip()]
@@ -305,47 +344,11 @@ class TrainOptions:
         return {k: str(v) if isinstance(v, Path) else v for k, v in record.items()}
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add every option to ``parser``; an option not given is absent from the namespace."""
-    groups: dict[str, Any] = {}
-    for option in OPTIONS:
-        group = groups.get(option.group) or parser.add_argument_group(option.group)
-        groups[option.group] = group
-        help_text = option.help + _default_text(option.default)
-        if option.key == "resume":  # a flag that may name a checkpoint: --resume [DIR]
-            group.add_argument("--resume", nargs="?", const=True, default=argparse.SUPPRESS,
-                               metavar="DIR", help=help_text)  # fmt: skip
-            group.add_argument("--no-resume", dest="resume", action="store_false",
-                               default=argparse.SUPPRESS, help=argparse.SUPPRESS)  # fmt: skip
-        elif option.parse is None:
-            action = argparse.BooleanOptionalAction if option.key != "demo" else "store_true"
-            group.add_argument(
-                f"--{option.name}", action=action, default=argparse.SUPPRESS, help=help_text
-            )
-        else:
-            names = [f"--{option.name}", *(f"--{name}" for name in aliases_of(option.key))]
-            several = {"nargs": "+", "action": JoinedNames} if option.key == "lora_targets" else {}
-            group.add_argument(
-                *names,
-                type=option.parse,
-                choices=option.choices,
-                default=argparse.SUPPRESS,
-                help=help_text,
-                metavar=None if option.choices else _METAVARS[option.key],
-                **several,
-            )
-    known = [o.name for o in OPTIONS] + [a for o in OPTIONS for a in aliases_of(o.key)]
-    refuse_unknown_options(parser, known)
-
-
-def _default_text(default: Any) -> str:
-    """`` (default 0.0)``; `` (default off)`` for a flag; nothing where there is none."""
-    return "" if default is None else f" (default {'off' if default is False else default})"
-
-
 def read_config(path: Path) -> dict[str, Any]:
-    """The options of a YAML file, converted as the command line converts them."""
-    return read_options(path, _BY_KEY)
+    """The options of a YAML file by our keys, converted as the command line converts
+    them (Trainer's and TRL's names translated)."""
+    options = read_options(path, BY_KEY)
+    return translate(options, trains_every_weight(options))[0]
 
 
 def resolve(
@@ -359,14 +362,19 @@ def resolve(
     merged: dict[str, Any] = {}
     given: set[str] = set()
     for layer in (preset or {}, config or {}, command_line):
-        merged.update({k: v for k, v in layer.items() if v is not None})
+        values = {k: v for k, v in layer.items() if v is not None}
+        for key, other in (("steps", "epochs"), ("epochs", "steps")):
+            if key in values and other not in values:  # a layer's length replaces the other
+                merged.pop(other, None)
+                given.discard(other)
+        merged.update(values)
         if layer is not preset:
-            given |= {k for k, v in layer.items() if v is not None}
-    unknown = set(merged) - set(_BY_KEY)
+            given |= set(values)
+    unknown = set(merged) - set(BY_KEY)
     if unknown:
         raise UsageError(f"unknown options: {', '.join(sorted(unknown))}")
     options = TrainOptions(
-        **{f.name: merged.get(f.name, _BY_KEY[f.name].default) for f in fields(TrainOptions)}
+        **{f.name: merged.get(f.name, BY_KEY[f.name].default) for f in fields(TrainOptions)}
     )
     check(options, given)
     devices, precision = machine_defaults(options.devices, options.precision)
@@ -383,15 +391,16 @@ def write_run_yaml(options: TrainOptions, path: Path) -> None:
 
 
 def changed_options(saved: Mapping[str, Any], now: TrainOptions) -> dict[str, tuple[Any, Any]]:
-    """Options whose value differs from ``saved`` (a :meth:`TrainOptions.run_record`):
-    ``{name: (saved, now)}``."""
+    """Options whose value differs from ``saved`` (a :meth:`TrainOptions.run_record`; an
+    option newer than it counts as its default there): ``{name: (saved, now)}``."""
     current, before = now.run_record(), saved_state_options(saved)
-    return {k: (before.get(k), v) for k, v in current.items() if before.get(k) != v}
+    before = {k: before.get(k, BY_KEY[k].default) for k in current}  # older: the defaults
+    return {k: (before[k], v) for k, v in current.items() if before[k] != v}
 
 
 def saved_state_options(saved: Mapping[str, Any]) -> dict[str, Any]:
     """``saved`` (a :meth:`TrainOptions.run_record`) with the :data:`STATE_KEYS` of its
     mode that it lacks (an older roundpipe's, which had only the defaults) filled."""
     skip = LORA_ONLY if saved.get("full") else FULL_ONLY
-    filled = {k: _BY_KEY[k].default for k in STATE_KEYS if k not in skip}
+    filled = {k: BY_KEY[k].default for k in STATE_KEYS if k not in skip}
     return {**filled, **saved}

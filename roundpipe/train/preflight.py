@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import install_hint
+from .chat_templates import apply_chat_template_option, template_spelling
 from .checkpoints import (
     Found,
     check_compatible,
@@ -23,7 +24,9 @@ from .checkpoints import (
     saved_worlds,
 )
 from .hub import ModelSource, local_spelling, resolve_model
-from .model_checks import check_model
+from .images import ImageReader
+from .memory_check import check_host_memory
+from .model_checks import check_model, model_config
 from .options import TrainOptions, UsageError
 from .ranks import Ranks
 from .result import result_complete
@@ -101,17 +104,26 @@ def _prepare(options: TrainOptions, ranks: Ranks) -> Prepared:
         data=_data_sources(options.data),
         output=Path(options.output).absolute(),
         eval_data=None if options.eval_data is None else _data_sources(options.eval_data),
+        chat_template=template_spelling(options.chat_template),
     )
     _check_resume(options.output, options.resume)
     source = resolve_model(options.model, options.revision)
-    config = check_model(options, source)
+    config = model_config(options, source)
     max_positions = getattr(config, "max_position_embeddings", None)
     options = replace(options, seq_len=_seq_len(options.seq_len, max_positions))
+    if options.memory_check:  # before the model is built, even on the meta device
+        check_host_memory(options, config, ranks.world)
+    check_model(options, source)
     tokenizer = _tokenizer(source, str(options.model))
+    apply_chat_template_option(tokenizer, options.chat_template)
     notes: list[str] = []
-    train_batches, eval_batches = _batches(options, tokenizer, notes)
-    epochs = options.epochs if options.steps is None else None
-    total = options.steps or (epochs or 1) * train_batches.steps_per_epoch
+    images = ImageReader(source.directory, config)
+    train_batches, eval_batches = _batches(options, tokenizer, notes, images)
+    if ranks.world > 1 and train_batches.images is not None:
+        raise UsageError(
+            f"{options.data} has images, which train on one process for now (not under torchrun)"
+        )
+    total = options.total_steps(train_batches.steps_per_epoch)
     _check_rows(train_batches, total, ranks.world)
     return Prepared(options, tokenizer, train_batches, eval_batches, total, notes, source)
 
@@ -221,16 +233,18 @@ def _data_sources(sources) -> str:
         raise UsageError(str(error)) from error
 
 
-def _batches(options: TrainOptions, tokenizer, notes: list[str]):
+def _batches(options: TrainOptions, tokenizer, notes: list[str], images: ImageReader):
     """The training batches and the evaluation's (None without ``--eval-data`` or
     ``--eval-split``); what was truncated or dropped goes to ``notes``, by source."""
     from .batches import Batches
     from .data import DataError, load_dataset, load_held_out, pad_token_id
+    from .data_summary import data_summary
 
     reading = {
         "split": options.data_split,
         "fields": options.data_fields,
         "train_on_prompt": options.train_on_prompt,
+        "images": images,
     }
     try:
         if options.eval_split is not None:
@@ -271,5 +285,10 @@ def _batches(options: TrainOptions, tokenizer, notes: list[str]):
                     f"{counts.label}: {counts.dropped} of {total} examples dropped (no labelled "
                     f"token within {options.seq_len} tokens)"
                 )
-        batches.append(Batches(dataset, options.batch_size, options.seed, packing, pad_id))
+        try:
+            batches.append(Batches(dataset, options.batch_size, options.seed, packing, pad_id))
+        except ValueError as error:  # what cannot be batched: packing with images
+            raise UsageError(str(error)) from error
+        what = "training" if len(batches) == 1 else "evaluation"
+        notes.extend(data_summary(dataset, batches[-1], tokenizer, what))
     return tuple(batches)

@@ -25,12 +25,15 @@ class StepReport:
     lr: float
     tokens_per_s: float
     eval_loss: float | None = None
+    epoch: float | None = None  # shown for an --epochs run
 
 
 def describe(report: StepReport, total: int) -> str:
-    """``step 12/100  loss 2.3456  lr 2.00e-04  1234 tok/s`` (and the eval loss)."""
+    """``step 12/100  loss 2.3456  lr 2.00e-04  1234 tok/s`` (after ``epoch 0.25`` in an
+    epoch run, and with the eval loss)."""
+    epoch = "" if report.epoch is None else f"epoch {report.epoch:.2f}  "
     text = (
-        f"step {report.step}/{total}  loss {report.loss:.4f}  lr {report.lr:.2e}  "
+        f"{epoch}step {report.step}/{total}  loss {report.loss:.4f}  lr {report.lr:.2e}  "
         f"{report.tokens_per_s:.0f} tok/s"
     )
     if report.eval_loss is not None:
@@ -96,6 +99,8 @@ class TqdmProgress(Progress):
 
     def update(self, report: StepReport) -> None:
         postfix = {"loss": f"{report.loss:.4f}", "tok/s": f"{report.tokens_per_s:.0f}"}
+        if report.epoch is not None:
+            postfix = {"epoch": f"{report.epoch:.2f}", **postfix}
         if report.eval_loss is not None:
             postfix["eval"] = f"{report.eval_loss:.4f}"
         self._bar.set_postfix(postfix, refresh=False)
@@ -134,6 +139,8 @@ class RichProgress(Progress):
 
     def update(self, report: StepReport) -> None:
         status = f"loss {report.loss:.4f}  {report.tokens_per_s:.0f} tok/s"
+        if report.epoch is not None:
+            status = f"epoch {report.epoch:.2f}  {status}"
         if report.eval_loss is not None:
             status += f"  eval {report.eval_loss:.4f}"
         self._bar.update(self._task, completed=report.step, status=status)

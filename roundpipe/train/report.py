@@ -1,5 +1,5 @@
 """The run's record in ``--output``: ``metrics.jsonl`` (one JSON object per step) and
-``loss.png`` (training and evaluation loss against the step)."""
+``loss.png`` (training and evaluation loss against the step, and the learning rate)."""
 
 from __future__ import annotations
 
@@ -89,33 +89,45 @@ class PendingRows:
 
 
 def plot_losses(records: list[dict[str, Any]], path: Path, title: str = "") -> None:
-    """Training loss (and evaluation loss where measured) against the step, as a PNG
-    (matplotlib's Agg backend; written atomically)."""
+    """:func:`loss_figure` as a PNG (matplotlib's Agg backend; written atomically)."""
     import matplotlib
 
     matplotlib.use("Agg")
     from matplotlib import pyplot as plt
 
-    figure, axes = plt.subplots(figsize=(7, 4), dpi=100)
+    figure = loss_figure(records, title)
     try:
-        steps = [r["step"] for r in records]
-        axes.plot(steps, [r["loss"] for r in records], label="training loss", linewidth=1)
-        evaluated = [r for r in records if r.get("eval_loss") is not None]
-        if evaluated:
-            axes.plot(
-                [r["step"] for r in evaluated],
-                [r["eval_loss"] for r in evaluated],
-                "o-",
-                label="eval loss",
-            )
-        axes.set_xlabel("step")
-        axes.set_ylabel("loss (mean per token)")
-        axes.set_title(title)
-        axes.grid(alpha=0.3)
-        axes.legend()
-        figure.tight_layout()
         tmp = Path(path).with_name(Path(path).name + ".tmp.png")
         figure.savefig(tmp)
         os.replace(tmp, path)
     finally:
         plt.close(figure)
+
+
+def loss_figure(records: list[dict[str, Any]], title: str = ""):
+    """Training loss (and evaluation loss where measured) against the step on a log
+    scale, titled ``title`` (the run), and the learning rate below it."""
+    from matplotlib import pyplot as plt
+
+    figure, (losses, rates) = plt.subplots(
+        2, 1, figsize=(7, 5), dpi=100, sharex=True, gridspec_kw={"height_ratios": [3, 1]}
+    )
+    steps = [r["step"] for r in records]
+    losses.plot(steps, [r["loss"] for r in records], label="training loss", linewidth=1)
+    evaluated = [r for r in records if r.get("eval_loss") is not None]
+    if evaluated:
+        eval_steps = [r["step"] for r in evaluated]
+        eval_losses = [r["eval_loss"] for r in evaluated]
+        losses.plot(eval_steps, eval_losses, "o-", label="eval loss")
+    if all(r["loss"] > 0 for r in records) and all(r["eval_loss"] > 0 for r in evaluated):
+        losses.set_yscale("log")
+    losses.set_ylabel("loss (mean per token)")
+    losses.set_title(title)
+    losses.grid(alpha=0.3, which="both")
+    losses.legend()
+    rates.plot(steps, [r.get("lr", float("nan")) for r in records], linewidth=1, color="C2")
+    rates.set_xlabel("step")
+    rates.set_ylabel("learning rate")
+    rates.grid(alpha=0.3)
+    figure.tight_layout()
+    return figure

@@ -37,6 +37,7 @@ def train(
     microbatches: int = 2,
     batch_size: int = 12,
     grad_reduction: str = "sum",
+    scale_grads: bool = True,
     dtype: str = "float64",
     width: int = 16,
     depth: int = 6,
@@ -53,7 +54,7 @@ def train(
     world = dist.get_world_size()
     model = mlp(width=width, depth=depth).to(getattr(torch, dtype))
     options = CommOptions(timeout_s=timeout_s, bucket_bytes=bucket_bytes)
-    config = RoundPipeRunConfig(num_microbatch=microbatches)
+    config = RoundPipeRunConfig(num_microbatch=microbatches, scale_grads=scale_grads)
     pipe = RoundPipe(
         model,
         devices=f"emulated:{devices}",

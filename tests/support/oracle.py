@@ -30,15 +30,27 @@ def batch(seed: int = 1, size: int = 13, inputs: int = 8, outputs: int = 4):
     )
 
 
+def weighted_microbatches(x: torch.Tensor, y: torch.Tensor, num_microbatch: int, scale_grads=True):
+    """``(x_i, y_i, w_i)`` for each microbatch: ``w_i`` the weight RoundPipe gives its
+    loss, ``r_i / R`` for ``r_i`` of the ``R`` rows (``scale_grads``, the default) or 1."""
+    rows = x.shape[0]
+    pairs = zip(x.tensor_split(num_microbatch), y.tensor_split(num_microbatch), strict=True)
+    return [(xm, ym, xm.shape[0] / rows if scale_grads else 1.0) for xm, ym in pairs]
+
+
 def reference_loss_and_grads(
-    model: nn.Module, x, y, num_microbatch: int, loss_fn: Callable = mse_sum
+    model: nn.Module,
+    x,
+    y,
+    num_microbatch: int,
+    loss_fn: Callable = mse_sum,
+    scale_grads: bool = True,
 ) -> torch.Tensor:
-    """Sum of microbatch losses; leaves the summed gradients in ``model``'s ``.grad``."""
+    """RoundPipe's loss: the microbatch losses' mean weighted by rows (their sum
+    without ``scale_grads``); leaves its gradients in ``model``'s ``.grad``."""
     total = torch.zeros(())
-    for xm, ym in zip(
-        torch.tensor_split(x, num_microbatch), torch.tensor_split(y, num_microbatch), strict=False
-    ):
-        loss = loss_fn(model(xm), ym)
+    for xm, ym, weight in weighted_microbatches(x, y, num_microbatch, scale_grads):
+        loss = loss_fn(model(xm), ym) * weight
         loss.backward()
         total = total + loss.detach()
     return total
@@ -47,12 +59,10 @@ def reference_loss_and_grads(
 def pytorch_sgd_step(
     model: nn.Module, x: torch.Tensor, y: torch.Tensor, num_microbatch: int, lr: float
 ) -> nn.Module:
-    """A copy of ``model`` after one SGD step (``lr``) on the summed microbatch losses
-    of ``(x, y)``, its gradients zeroed again."""
+    """A copy of ``model`` after one SGD step (``lr``) on RoundPipe's loss of ``(x, y)``
+    (:func:`reference_loss_and_grads`), its gradients zeroed again."""
     model = copy.deepcopy(model)
-    xs, ys = x.tensor_split(num_microbatch), y.tensor_split(num_microbatch)
-    for xm, ym in zip(xs, ys, strict=True):
-        mse_sum(model(xm), ym).backward()
+    reference_loss_and_grads(model, x, y, num_microbatch)
     torch.optim.SGD(model.parameters(), lr=lr).step()
     model.zero_grad()
     return model
@@ -62,7 +72,7 @@ def pytorch_sgd_steps(
     model: nn.Module, steps: list[list[int]], num_microbatch: int, lr: float
 ) -> nn.Module:
     """A copy of ``model`` after one SGD step (``lr``) per entry of ``steps``, each over
-    the summed gradients of the batches ``batch(seed)`` of its seeds."""
+    the summed gradients of the calls on the batches ``batch(seed)`` of its seeds."""
     model = copy.deepcopy(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)
     for seeds in steps:
@@ -81,6 +91,7 @@ def train_reference(
     make_optimizer: Callable,
     stale: bool = False,
     loss_fn: Callable = mse_sum,
+    scale_grads: bool = True,
 ) -> tuple[nn.Module, list[float]]:
     """Train a copy of ``model``; with ``stale``, gradients use the weights one step older."""
     model = copy.deepcopy(model)
@@ -90,7 +101,9 @@ def train_reference(
     for x, y in batches:
         grad_model = previous if stale else model
         grad_model.zero_grad()
-        losses.append(reference_loss_and_grads(grad_model, x, y, num_microbatch, loss_fn).item())
+        losses.append(
+            reference_loss_and_grads(grad_model, x, y, num_microbatch, loss_fn, scale_grads).item()
+        )
         snapshot = copy.deepcopy(model)
         for p, g in zip(model.parameters(), grad_model.parameters(), strict=True):
             p.grad = None if g.grad is None else g.grad.clone()
