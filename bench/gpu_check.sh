@@ -1,21 +1,79 @@
 #!/usr/bin/env bash
-# The prepared GPU check: CUDA tests against PyTorch, NF4 dequantize on CUDA against the
-# CPU bit for bit, a short throughput probe, then one step of a 2-layer Llama-3.1-8B-shaped
-# model at the longest sequence predicted for a 24 GiB card (the allocator capped to it),
-# its measured peak beside the prediction (docs/design.md#long-context).
-# Run on a machine with an NVIDIA GPU and torch, pytest, hypothesis preinstalled:
-#   bench/gpu_check.sh
+# The prepared GPU check, one bounded run that tells everything: the machine, CUDA tests
+# against PyTorch, NF4 dequantize on CUDA against the CPU bit for bit, a short throughput
+# probe, then one step of a 2-layer Llama-3.1-8B-shaped model at the longest sequence
+# predicted for a 24 GiB card (the allocator capped to it), its measured peak beside the
+# prediction (docs/design.md#long-context).
+#
+#   bench/gpu_check.sh              # on a machine with an NVIDIA GPU
+#   bench/gpu_check.sh --dry-run    # every step on emulated devices or skipped, with why
+#
 # It installs nothing (the GPU machines reach no network): the repository is put on
-# PYTHONPATH instead.
+# PYTHONPATH. Each step runs under `timeout -s ABRT` (a hang dumps every thread's stack:
+# PYTHONFAULTHANDLER), cheapest and most telling first, within 9 minutes in all; its
+# output goes to $OUT/<step>.log (OUT defaults to a new temporary folder) and the screen,
+# and a closing table gives each step's exit status, seconds and key line. Any step's
+# failure fails the script.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-nvidia-smi --query-gpu=name,memory.total --format=csv
-python3 -c "import sys, torch; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda)"
-timeout 420 python3 -m pytest -q -m cuda tests/test_cuda.py tests/test_host_block_pool.py \
-    -p no:cacheprovider -o addopts=""
-status=$?
-timeout 120 python3 bench/gpu_nf4_check.py --device cuda:0 || status=1
-timeout 120 python3 bench/gpu_probe.py --devices cuda:0,0,0 --steps 12
-timeout 240 python3 bench/long_context.py --gpu cuda:0 --layers 2 --budget-gib 24 || status=1
-exit $status
+export PYTHONFAULTHANDLER=1
+PY="${PYTHON:-python3}"  # the interpreter with torch (the GPU box's python3)
+OUT="${OUT:-$(mktemp -d)}"
+mkdir -p "$OUT"
+DRY=0
+if [ "${1:-}" = "--dry-run" ]; then
+    DRY=1
+elif [ $# -gt 0 ]; then
+    echo "usage: bench/gpu_check.sh [--dry-run]" >&2
+    exit 2
+fi
+PYTEST=("$PY" -m pytest -p no:cacheprovider -o addopts="" -o faulthandler_timeout=120
+        -rfEs --tb=short --durations=10 -q)
+ROWS=()
+STATUS=0
+
+# step NAME SECONDS COMMAND...: run COMMAND under the budget, its output to $OUT/NAME.log
+step() {
+    local name=$1 budget=$2
+    shift 2
+    echo "=== $name (at most ${budget}s): $*"
+    local start=$SECONDS
+    timeout -s ABRT -k 10 "$budget" "$@" 2>&1 | tee "$OUT/$name.log"
+    local rc=${PIPESTATUS[0]}
+    local key
+    key=$(grep -v '^\s*$' "$OUT/$name.log" | tail -n 1 | cut -c 1-70)
+    ROWS+=("$(printf '%-14s %4s %6ss  %s' "$name" "$rc" "$((SECONDS - start))" "$key")")
+    [ "$rc" -eq 0 ] || STATUS=1
+}
+
+# skip NAME WHY: a step the dry run cannot take
+skip() {
+    echo "skipped: $2" >"$OUT/$1.log"
+    ROWS+=("$(printf '%-14s %4s %6ss  %s' "$1" "-" "0" "skipped: $2")")
+}
+
+if [ "$DRY" -eq 1 ]; then
+    skip machine "no GPU in a dry run (nvidia-smi)"
+else
+    step machine 20 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+fi
+step versions 30 "$PY" -c "import sys, torch; print('python', sys.version.split()[0], \
+'torch', torch.__version__, 'cuda', torch.version.cuda, 'gpus', torch.cuda.device_count())"
+if [ "$DRY" -eq 1 ]; then
+    step cuda-tests 120 "${PYTEST[@]}" tests/test_cuda.py tests/test_host_block_pool.py
+    step nf4 60 "$PY" bench/gpu_nf4_check.py --device cpu
+    skip probe "it times CUDA kernels against PyTorch on the same GPU"
+    skip long-context "it measures a CUDA allocator's peak"
+else
+    step cuda-tests 210 "${PYTEST[@]}" -m cuda tests/test_cuda.py tests/test_host_block_pool.py
+    step nf4 60 "$PY" bench/gpu_nf4_check.py --device cuda:0
+    step probe 90 "$PY" bench/gpu_probe.py --devices cuda:0,0,0 --steps 12
+    step long-context 120 "$PY" bench/long_context.py --gpu cuda:0 --layers 2 --budget-gib 24
+fi
+
+echo
+echo "=== summary (logs in $OUT)"
+printf '%-14s %4s %7s  %s\n' step rc time "last line"
+printf '%s\n' "${ROWS[@]}"
+exit $STATUS

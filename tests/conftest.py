@@ -110,7 +110,7 @@ def trains_like_pytorch(no_hang) -> Callable[[RoundPipe, nn.Module], None]:
 
     def check(model: RoundPipe, reference: nn.Module) -> None:
         x, y = batch(seed=7)
-        num_microbatch = model.run_config.num_microbatch or len(model.pool) + 1
+        num_microbatch = model.run_config.microbatches_for(len(model.pool))
         loss = no_hang(model.forward_backward, (x,), label=y, loss_fn=mse_sum)
         no_hang(model.synchronize)
         expected = copy.deepcopy(reference)

@@ -33,6 +33,7 @@ import pytest
 import torch
 from support.emulator import MB, TIMEOUT_S, drain, floats, spans
 
+from roundpipe.core.op_kinds import StreamName
 from roundpipe.devices import OpInfo, Slot
 
 # -- FIFO copy engines ---------------------------------------------------------------
@@ -114,7 +115,7 @@ def concurrent_copies(harness, pool, jobs: list[tuple[int, str]]) -> float:
     issued behind one gate first. Seconds from the first op being ready to the last
     copy done. "download" copies device→host, the upload streams host→device."""
     release = pool.host_event()
-    streams = [pool.devices[index].streams[name] for index, name in jobs]
+    streams = [pool.devices[index].streams[StreamName(name)] for index, name in jobs]
     for stream in dict.fromkeys(streams):
         harness.block(stream, release)
     labels = [f"concurrent {len(pool.spans())} {i}" for i in range(len(jobs))]

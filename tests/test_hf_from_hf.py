@@ -239,6 +239,18 @@ def test_an_encoder_decoder_model_is_refused_by_its_model_type():
         roundpipe.from_hf(transformers.T5ForConditionalGeneration(config), devices="emulated:1")
 
 
+@pytest.mark.parametrize("kind", ["target_modules", "modules_to_save"])
+@pytest.mark.parametrize("family", ["llama", "gemma3_text"])  # our adapter; the general path
+def test_an_adapter_on_lm_head_is_refused_not_silently_left_untrained(kind, family):
+    peft = pytest.importorskip("peft")
+    base = build(family) if family == "llama" else architectures.architecture(family).build()
+    targets = {"target_modules": ["q_proj", "lm_head"]} if kind == "target_modules" else {
+        "target_modules": ["q_proj"], "modules_to_save": ["lm_head"]}  # fmt: skip
+    model = peft.get_peft_model(base, peft.LoraConfig(r=4, **targets))
+    with pytest.raises(ValueError, match=r"on the output layer \(lm_head\) is not supported"):
+        roundpipe.from_hf(model, devices="emulated:1")
+
+
 def test_save_pretrained_writes_what_transformers_loads(tmp_path):
     model = build("qwen3")
     batch = padded_batch()

@@ -31,12 +31,18 @@ from test_plan_and_schedule import _sizes, plans
 from torch import nn
 
 from roundpipe import EmulatedOptions, JobKind, Plan, RoundPipe, RoundPipeRunConfig, lower
-from roundpipe.core import program as P
 from roundpipe.core.keys import Activation, InputGrad, Loss, Output
-from roundpipe.core.program import CallShape, JobProgram, job_program, plan_chunks, recompute_inputs
+from roundpipe.core.op_kinds import COMPUTES, UPLOADS, OpKind, StreamName
+from roundpipe.core.program import (
+    CallShape,
+    DeviceOp,
+    JobProgram,
+    job_program,
+    plan_chunks,
+    recompute_inputs,
+)
 from roundpipe.core.schedule import Schedule
 
-STREAMS = (P.WEIGHT_UPLOAD, P.ACT_UPLOAD, P.COMPUTE, P.DOWNLOAD)
 WIDTH = 8
 
 # -- random plans ----------------------------------------------------------------------
@@ -172,8 +178,8 @@ def test_the_runtime_runs_exactly_each_jobs_program_in_order_on_every_stream(see
 
     for device in range(devices):
         on_device = [p for p in programs if p.job.device == device]
-        for stream in STREAMS:
-            got = observed.get((device, stream), [])
+        for stream in StreamName:
+            got = observed.get((device, stream.value), [])
             # per job: the program's ops on this stream, in program order
             for program in on_device:
                 mine = [op for job, op in got if job == program.job.index]
@@ -207,15 +213,15 @@ def lowered(case) -> tuple[Schedule, list[JobProgram]]:
     return schedule, synthetic_programs(schedule, shape, chunks, buffered)
 
 
-def reads_of(op: P.DeviceOp) -> list:
-    if op.kind in (P.UPLOAD_INPUT, P.UPLOAD_GRAD):
+def reads_of(op: DeviceOp) -> list:
+    if op.kind in (OpKind.UPLOAD_INPUT, OpKind.UPLOAD_GRAD):
         return [op.key]
-    if op.kind == P.RECOMPUTE and op.key is not None:
+    if op.kind is OpKind.RECOMPUTE and op.key is not None:
         return [op.key]  # the RNG state the forward drew from
     return []
 
 
-def produced_by(op: P.DeviceOp) -> list:
+def produced_by(op: DeviceOp) -> list:
     return [*op.keys, *op.posts]
 
 
@@ -226,7 +232,7 @@ def test_ops_depend_only_on_earlier_ops_of_their_job(case):
     for program in programs:
         assert [op.index for op in program.ops] == list(range(len(program.ops)))
         for op in program.ops:
-            assert op.stream in STREAMS
+            assert op.stream in StreamName
             assert all(0 <= i < op.index for i in op.inputs), f"{program}\n#{op.index}"
             if op.host_wait is not None:
                 assert 0 <= op.host_wait < op.index, f"{program}\n#{op.index}"
@@ -254,9 +260,9 @@ def test_every_handoff_read_is_produced_earlier_and_every_handoff_produced_is_us
             for key in reads_of(op):
                 read.add(key)
                 assert key.microbatch == op.microbatch
-                if op.kind == P.UPLOAD_INPUT:
+                if op.kind is OpKind.UPLOAD_INPUT:
                     assert isinstance(key, Activation)
-                if op.kind == P.UPLOAD_GRAD:
+                if op.kind is OpKind.UPLOAD_GRAD:
                     assert isinstance(key, InputGrad)
                 if key in call_inputs:
                     continue
@@ -274,13 +280,13 @@ def test_a_program_waits_for_its_weights_ends_with_its_release_and_prints_every_
     _, programs = lowered(case)
     for program in programs:
         last = program.ops[-1]
-        assert (last.kind, last.stream) == (P.RELEASE, P.COMPUTE)
-        assert [op.kind for op in program.ops].count(P.RELEASE) == 1
+        assert (last.kind, last.stream) == (OpKind.RELEASE, StreamName.COMPUTE)
+        assert [op.kind for op in program.ops].count(OpKind.RELEASE) == 1
         weights = program.weight_ops
         assert weights == program.ops[: len(weights)]  # issued first, by the prefetch
         if weights:
-            first_compute = program.on(P.COMPUTE)[0]
-            assert first_compute.kind in P.COMPUTES
+            first_compute = program.on(StreamName.COMPUTE)[0]
+            assert first_compute.kind in COMPUTES
             assert weights[-1].index in first_compute.inputs
         text = str(program)
         assert str(program.job) in text
@@ -300,7 +306,7 @@ def test_a_forward_job_downloads_its_output_first_then_its_saved_inputs_in_one_o
             continue
         saves = shape.forward_saves(job)
         for m in range(shape.num_microbatches):
-            downloads = [op for op in program.on(P.DOWNLOAD) if op.microbatch == m]
+            downloads = [op for op in program.on(StreamName.DOWNLOAD) if op.microbatch == m]
             expected = [(Activation(job.layers.stop, m),)]
             if saves:
                 expected.append(tuple(Activation(i, m) for i in saves))
@@ -317,11 +323,11 @@ def test_an_upload_of_microbatch_m_waits_for_the_last_compute_of_microbatch_m_mi
     for program in programs:
         last_compute: dict[int, int] = {}
         for op in program.ops:
-            if op.stream == P.COMPUTE and op.microbatch is not None:
+            if op.stream is StreamName.COMPUTE and op.microbatch is not None:
                 last_compute[op.microbatch] = op.index
         for op in program.ops:
-            if op.kind not in P.UPLOADS:
-                if op.stream != P.ACT_UPLOAD:
+            if op.kind not in UPLOADS:
+                if op.stream is not StreamName.ACT_UPLOAD:
                     assert op.host_wait is None, f"{program}\n#{op.index}"
                 continue
             m = op.microbatch
@@ -329,6 +335,6 @@ def test_an_upload_of_microbatch_m_waits_for_the_last_compute_of_microbatch_m_mi
                 assert op.host_wait is None, f"{program}\n#{op.index}"
                 continue
             waited = program.ops[op.host_wait]
-            assert waited.stream == P.COMPUTE and waited.kind in P.COMPUTES
+            assert waited.stream is StreamName.COMPUTE and waited.kind in COMPUTES
             assert waited.microbatch == m - 2
             assert waited.index == last_compute[m - 2], f"{program}\n#{op.index}"

@@ -207,6 +207,8 @@ def test_a_moe_config_file_is_priced_by_total_and_active_parameters(tmp_path: Pa
         (["--lora", "0"], "--lora must be positive"),
         (["--host-ram", "0"], "--host-ram must be positive"),
         (["--gpu", "rtx9090"], "unknown GPU preset 'rtx9090'"),
+        (["--host-ram", "nan"], "--host-ram must be a finite number, got nan"),
+        (["--mfu", "nan"], "--mfu must be a finite number, got nan"),
     ],
 )
 def test_bad_inputs_exit_2_with_a_message(capsys, flags, message) -> None:
@@ -240,3 +242,20 @@ def test_tiled_layers_pay_their_recomputes_in_the_backward() -> None:
             extra += attention / kernels.attention_speed
         assert tiled.forward == plain.forward
         assert tiled.backward - plain.backward == pytest.approx(extra, rel=1e-9)
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--fwd-ms", "nan"], "--fwd-ms must be a finite number, got nan"),
+        (["--comm-ms", "inf"], "--comm-ms must be a finite number, got inf"),
+        (["--bwd-ms", "-1"], "--bwd-ms must be zero or more, got -1.0"),
+        (["--layers", "1000000000"], "--layers 1000000000 is more than the simulator steps"),
+        (["--gpus", "100000"], "--gpus 100000 is more than the simulator steps"),
+    ],
+)
+def test_garbage_and_unbounded_schedules_are_refused_at_once(capsys, flags, message) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["simulate", *flags])
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err

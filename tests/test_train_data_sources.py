@@ -94,6 +94,47 @@ def test_csv_cells_stay_text_and_a_bad_record_is_named_by_its_line(tokenizer, tm
         load_dataset(path, tokenizer, 64)
 
 
+def test_a_csv_header_naming_a_column_twice_is_refused_and_long_cells_are_read(
+    tokenizer, tmp_path, from_jsonl
+):
+    path = tmp_path / "data.csv"
+    path.write_text("prompt,completion,prompt\na,b,c\n")
+    with pytest.raises(DataError, match=f"{path}:1: the header names the column 'prompt' twice"):
+        load_dataset(path, tokenizer, 64)
+    long = "word " * 40_000  # 200 KB, past the csv module's 128 KiB default
+    path.write_text(f'prompt,completion\na,"{long}"\n')
+    assert load_dataset(path, tokenizer, 64).truncated == 1
+
+
+def test_a_csv_that_is_not_utf8_is_named_by_its_line(tokenizer, tmp_path):
+    path = tmp_path / "data.csv"
+    path.write_bytes("prompt,completion\nfine,ok\ncaf\u00e9,x\n".encode("latin-1"))
+    with pytest.raises(DataError, match=f"{path}:3: not UTF-8 text"):
+        load_dataset(path, tokenizer, 64)
+
+
+def test_a_directory_of_data_files_in_several_formats_is_refused_naming_them(tokenizer, tmp_path):
+    directory = tmp_path / "mixed"
+    directory.mkdir()
+    (directory / "train.jsonl").write_text(json.dumps(ROWS[0]) + "\n")
+    (directory / "extra.csv").write_text("prompt,completion\na,b\n")
+    with pytest.raises(DataError, match="holds data files of 2 formats \\(extra.csv, train.jsonl"):
+        load_dataset(directory, tokenizer, 64)
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".json"])
+def test_a_lone_surrogate_or_a_record_nested_too_deep_is_one_line(tokenizer, tmp_path, suffix):
+    path = tmp_path / f"data{suffix}"
+    good = json.dumps(ROWS[0])
+    for bad, message in [
+        ('{"text": "a \\ud800 b"}', r"holds \\ud800, a lone surrogate"),
+        ('{"text": ' + "[" * 100_000 + "]" * 100_000 + "}", "nested too deeply"),
+    ]:
+        path.write_text(f"[{good},\n{bad}]" if suffix == ".json" else f"{good}\n{bad}\n")
+        with pytest.raises(DataError, match=f"{path}:2: .*{message}"):
+            load_dataset(path, tokenizer, 64)
+
+
 def test_a_parquet_file_reads_like_the_same_records_as_lines(tokenizer, tmp_path, from_jsonl):
     path = tmp_path / "data.parquet"
     datasets.Dataset.from_list(ROWS).to_parquet(str(path))

@@ -74,6 +74,11 @@ ERRORS = {  # options changed or added to a good command line, and the message e
     "zero steps": ({"--steps": "0"}, "--steps must be a positive number"),
     "negative batch": ({"--batch-size": "-1"}, "--batch-size must be a positive number"),
     "zero lr": ({"--lr": "0"}, "--lr must be positive"),
+    "infinite lr": ({"--lr": "inf"}, "--lr must be a finite number, got inf"),
+    "NaN lr": ({"--lr": "nan"}, "--lr must be a finite number, got nan"),
+    "NaN weight decay": ({"--weight-decay": "nan"}, "--weight-decay must be a finite number"),
+    "infinite lora alpha": ({"--lora-alpha": "inf"}, "--lora-alpha must be a finite number"),
+    "NaN grad clip": ({"--grad-clip": "nan"}, "--grad-clip must be a finite number, got nan"),
     "too many microbatches": ({"--microbatches": "9"}, "--microbatches 9 exceeds"),
     "bad devices": ({"--devices": "tpu:3"}, "--devices 'tpu:3'"),
     "unknown yaml key": ({"--config": "{unknown_key}"}, "unknown option 'lora-rank'"),
@@ -82,6 +87,10 @@ ERRORS = {  # options changed or added to a good command line, and the message e
     "Gemma 3n": (
         {"--model": "{gemma3n}", "--full": None},
         "model_type 'gemma3n_text': its decoder does more than pass each layer's output",
+    ),
+    "LoRA on lm_head": (
+        {"--lora-targets": "q_proj,lm_head"},
+        "LoRA on the output layer (lm_head) is not supported",
     ),
     "lora targets naming no module": ({"--lora-targets": "qproj"}, "'qproj' names no module"),
     "a lora target naming no module": ({"--lora-targets": "q_proj,v_prj"}, "'v_prj' names no"),

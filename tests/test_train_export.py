@@ -150,3 +150,69 @@ def test_export_is_a_subcommand_of_the_console_script(runs, tmp_path):
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     assert "wrote the LoRA adapter to" in done.stdout
+
+
+def _fails_while_saving(monkeypatch, error):
+    import roundpipe.train.result as result
+
+    def save_result(model, tokenizer, path, *args, **kwargs):
+        (path / "partial.safetensors").write_bytes(b"x")
+        raise error
+
+    monkeypatch.setattr(result, "save_result", save_result)
+
+
+@pytest.mark.parametrize(
+    "error, code, line",
+    [
+        (OSError(28, "No space left on device"), 1, "no space left to write"),
+        (OSError(27, "File too large"), 1, "would exceed the file-size limit (ulimit -f)"),
+        (KeyboardInterrupt(), 130, "interrupted; nothing was written to"),
+    ],
+)
+def test_a_failed_write_is_one_line_and_leaves_nothing(runs, tmp_path, monkeypatch, capsys,
+                                                       error, code, line):  # fmt: skip
+    _fails_while_saving(monkeypatch, error)
+    output = tmp_path / "out"
+    step = runs["lora"] / "checkpoints" / "step-4"
+    assert main(["export", "--checkpoint", str(step), "--output", str(output)]) == code
+    err = capsys.readouterr().err
+    assert line in err and len(err.strip().splitlines()) == 1, err
+    assert list(tmp_path.iterdir()) == []  # no output, no staging directory left
+
+
+def test_an_export_racing_another_to_one_output_keeps_nothing_and_says_so(
+    runs, tmp_path, monkeypatch, capsys
+):
+    import roundpipe.train.result as result
+
+    output = tmp_path / "out"
+    real = result.save_result
+
+    def save_result(*args, **kwargs):
+        real(*args, **kwargs)
+        output.mkdir()  # the other export finished first
+        (output / "adapter_model.safetensors").write_bytes(b"theirs")
+
+    monkeypatch.setattr(result, "save_result", save_result)
+    step = runs["lora"] / "checkpoints" / "step-4"
+    assert main(["export", "--checkpoint", str(step), "--output", str(output)]) == 1
+    assert "was written by another export meanwhile" in capsys.readouterr().err
+    assert [p.name for p in tmp_path.iterdir()] == ["out"]
+    assert (output / "adapter_model.safetensors").read_bytes() == b"theirs"
+
+
+def test_past_the_file_size_limit_a_real_export_exits_1_in_one_line(runs, tmp_path):
+    import resource
+
+    output = tmp_path / "out"
+    limit = lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (2048, 2048))  # noqa: E731
+    done = subprocess.run(
+        [sys.executable, "-m", "roundpipe", "export", "--checkpoint",
+         str(runs["full"] / "checkpoints" / "step-4"), "--output", str(output)],
+        capture_output=True, text=True, cwd=REPO, preexec_fn=limit, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 1, done.stderr
+    assert done.stderr.strip().splitlines()[-1].startswith("roundpipe export: error: a file of")
+    assert "Traceback" not in done.stderr
+    assert list(tmp_path.iterdir()) == []

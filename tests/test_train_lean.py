@@ -213,6 +213,13 @@ def test_resume_refuses_another_optimizer_state_or_base(saved, now, message):
     assert message in str(refused.value) and "cannot change" in str(refused.value)
 
 
+def test_resume_after_changing_the_precision_is_refused_naming_it():
+    options = resolve({**BASE, "precision": "fp32"})
+    with pytest.raises(UsageError) as refused:
+        check_compatible(found({**options.run_record(), "precision": "bf16"}), options)
+    assert "--precision 'bf16' there, 'fp32' here" in str(refused.value)
+
+
 def test_resume_accepts_the_same_settings_and_an_older_records_defaults():
     for given in ({"full": True}, {"full": True, "optimizer_states": "int8"}, {}):
         options = resolve({**BASE, **given})

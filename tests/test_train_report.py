@@ -102,3 +102,22 @@ def test_a_finished_run_says_which_option_trains_further(steps, epochs, says, tm
     prepared = SimpleNamespace(resume_from=[found], options=options, total_steps=10)
     _print_finished(prepared, main=True)
     assert capsys.readouterr().out == f"{tmp_path} is finished: {says}\n"
+
+
+def test_without_matplotlib_a_run_trains_and_says_it_draws_no_plot(
+    train_files, tmp_path, monkeypatch, capsys
+):
+    import sys
+
+    from support.train_cli import COMMON
+
+    from roundpipe.cli import main
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib fails
+    output = tmp_path / "out"
+    argv = ["train", "--model", train_files["model"], "--data", train_files["text"],
+            "--output", output, "--steps", "2", *COMMON]  # fmt: skip
+    assert main([str(a) for a in argv]) == 0
+    out = capsys.readouterr().out
+    assert "loss.png is not drawn: matplotlib is not installed (pip install" in out
+    assert (output / "metrics.jsonl").exists() and not (output / "loss.png").exists()

@@ -99,6 +99,31 @@ def test_a_run_reports_every_row_to_tensorboard_and_wandb(train_files, tmp_path)
                 assert record[name] == by_step[record["_step"]]
 
 
+@pytest.mark.skipif(importlib.util.find_spec("tensorboard") is None, reason="no tensorboard")
+def test_a_resumed_run_purges_the_points_logged_after_its_checkpoint(tmp_path):
+    from tensorboard.backend.event_processing import event_file_loader
+
+    first = open_trackers(["tensorboard"], tmp_path, {})
+    for step in range(1, 6):  # interrupted after step 5, its checkpoint at step 3
+        first.log(step, {"step": step, "loss": 10.0 + step})
+    first.close()
+    again = open_trackers(["tensorboard"], tmp_path, {}, resumed_from=3)
+    for step in (4, 5):
+        again.log(step, {"step": step, "loss": 20.0 + step})
+    again.close()
+    assert tensorboard_scalars(tmp_path / RUNS_DIR)["train/loss"] == {
+        1: 11.0,
+        2: 12.0,
+        3: 13.0,
+        4: 24.0,
+        5: 25.0,
+    }
+    newest = max((tmp_path / RUNS_DIR).glob("events.*"), key=lambda p: p.stat().st_mtime_ns)
+    starts = [e.step for e in event_file_loader.EventFileLoader(str(newest)).Load()
+              if e.HasField("session_log")]  # fmt: skip
+    assert starts == [4]  # the purge mark readers drop the old steps 4 and 5 by
+
+
 def test_only_rank_0_reports(tmp_path):
     trackers = open_trackers(["tensorboard"], tmp_path, {}, main=False)
     trackers.log(1, ROW)
@@ -113,6 +138,33 @@ def given(**options) -> dict:
 def test_an_unknown_tracker_is_refused_naming_the_valid_ones():
     with pytest.raises(UsageError, match="unknown 'mlflow'.*tensorboard, wandb, trackio"):
         resolve(given(report_to="tensorboard,mlflow"))
+
+
+def test_an_unknown_name_is_told_before_a_missing_package_and_a_repeated_one_logs_once(
+    monkeypatch,
+):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "tensorboard" else real(name, *a),
+    )
+    with pytest.raises(UsageError, match="unknown 'mlflow'"):
+        resolve(given(report_to="tensorboard,mlflow"))
+    options = resolve(given(report_to="wandb,wandb"))
+    assert options.trackers() == ["wandb"]
+
+
+def test_a_tracker_that_fails_to_import_is_one_line_not_a_traceback(monkeypatch, tmp_path):
+    import sys
+
+    (tmp_path / "wandb").mkdir()
+    (tmp_path / "wandb" / "__init__.py").write_text("raise RuntimeError('broken install')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "wandb", raising=False)
+    with pytest.raises(UsageError, match=r"wandb package is installed but fails to import "
+                       r"\(RuntimeError: broken install\)"):  # fmt: skip
+        resolve(given(report_to="wandb"))
 
 
 def test_a_tracker_whose_package_is_missing_is_refused_naming_the_extra(monkeypatch):

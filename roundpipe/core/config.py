@@ -13,13 +13,16 @@ SplitLabel = Callable[[Any, int], list[Any]]
 MergeOutput = Callable[[list[Any]], Any]
 
 RECOMPUTE_GRAINS = ("stage", "layer")
+MAX_PREFETCH_STAGES = 4
+"""The most ``prefetch_stages`` allowed (a device worker remembers that many jobs back)."""
 
 
 @dataclass(frozen=True)
 class RoundPipeRunConfig:
     """Options for running the pipeline; pass one to ``RoundPipe`` or to a single call.
 
-    - ``num_microbatch``: microbatches per call; ``None`` means devices + 1.
+    - ``num_microbatch``: microbatches per call; ``None`` means devices + 1
+      (:meth:`microbatches_for`).
     - ``execute_plan``: a :class:`~roundpipe.core.plan.Plan` (or its string form
       ``"3,3|1,1,1,1,1,1"``) to pin; ``None`` uses the automatic plan.
     - ``recompute_grain``: ``"stage"`` saves each backward stage's input and
@@ -94,8 +97,10 @@ class RoundPipeRunConfig:
                 raise TypeError(f"{name} must be a function or None, got {type(value).__name__}")
         _check_count("weight_chunk_bytes", self.weight_chunk_bytes, optional=True)
         _check_count("prefetch_stages", self.prefetch_stages)
-        if not 1 <= self.prefetch_stages <= 4:
-            raise ValueError(f"prefetch_stages must be 1 to 4, got {self.prefetch_stages}")
+        if not 1 <= self.prefetch_stages <= MAX_PREFETCH_STAGES:
+            raise ValueError(
+                f"prefetch_stages must be 1 to {MAX_PREFETCH_STAGES}, got {self.prefetch_stages}"
+            )
         _check_count("seq_chunk_tokens", self.seq_chunk_tokens, optional=True)
         if self.seq_chunk_tokens is not None and self.seq_chunk_tokens < 1:
             raise ValueError(f"seq_chunk_tokens must be positive, got {self.seq_chunk_tokens}")
@@ -104,6 +109,13 @@ class RoundPipeRunConfig:
 
     def replace(self, **changes: Any) -> RoundPipeRunConfig:
         return replace(self, **changes)
+
+    def microbatches_for(self, devices: int, rows: int | None = None) -> int:
+        """How many microbatches a call on ``devices`` devices splits into:
+        ``num_microbatch``, else devices + 1 (docs/design.md#stateless-devices); at
+        most ``rows`` where a caller gives its batch's rows, so no microbatch is empty."""
+        count = self.num_microbatch or devices + 1
+        return count if rows is None else min(count, rows)
 
 
 def _check_count(name: str, value: object, optional: bool = False) -> None:

@@ -7,6 +7,7 @@ schedule: the layer whose input or input gradient it is, and the microbatch.
 
 from __future__ import annotations
 
+import re
 from dataclasses import astuple, dataclass
 
 
@@ -61,3 +62,17 @@ def key_label(key: HandoffKey) -> str:
 def key_repr(key: HandoffKey) -> str:
     """A handoff as printed op programs show it: ``Activation(3,0)``."""
     return f"{type(key).__name__}({','.join(str(v) for v in astuple(key))})"
+
+
+_KEY_TYPES = {kind.__name__: kind for kind in (Activation, InputGrad, RngState, Loss, Output)}
+
+
+def parse_keys(text: str) -> list[HandoffKey]:
+    """The handoffs ``text`` prints (``key_repr``, comma separated): ``Activation(3,0),Loss(0)``."""
+    keys: list[HandoffKey] = []
+    for match in re.finditer(r"(\w+)\(([\d,]*)\)", text):
+        name, fields = match.groups()
+        if name not in _KEY_TYPES:
+            raise ValueError(f"unknown handoff {name!r}: the handoffs are {', '.join(_KEY_TYPES)}")
+        keys.append(_KEY_TYPES[name](*(int(v) for v in fields.split(","))))
+    return keys

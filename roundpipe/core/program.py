@@ -2,57 +2,32 @@
 simulator replays.
 
 ``schedule.lower`` says which device runs which job; :func:`job_program` says what the
-job does there, op by op: its stream, microbatch and layers, the handoffs it reads and
-produces, the earlier ops it waits for. Pure, printable data, the same for every
-consumer (docs/design.md#op-programs).
+job does there, op by op: its kind (:mod:`.op_kinds`), microbatch and layers, the
+handoffs it reads and produces, the earlier ops it waits for. Pure data, the same for
+every consumer, that prints and parses back (``JobProgram.from_str``;
+docs/design.md#op-programs).
 """
 
 from __future__ import annotations
 
 import functools
+import re
 from collections import Counter
 from dataclasses import dataclass
 
-from .keys import Activation, HandoffKey, InputGrad, Loss, Output, RngState, key_repr
+from .keys import Activation, HandoffKey, InputGrad, Loss, Output, RngState, key_repr, parse_keys
+from .op_kinds import OpKind, StreamName
 from .schedule import Job, JobKind, Schedule
-
-WEIGHT_UPLOAD = "weight_upload"
-ACT_UPLOAD = "act_upload"
-COMPUTE = "compute"
-DOWNLOAD = "download"
-STREAMS = (COMPUTE, WEIGHT_UPLOAD, ACT_UPLOAD, DOWNLOAD)
-"""Every device has these four streams."""
-
-UPLOAD_WEIGHTS = "upload_weights"
-"""One chunk of the stage's parameters."""
-UPLOAD_BUFFERS = "upload_buffers"
-UPLOAD_INPUT = "upload_input"
-"""A stage input (or a recompute's saved input), read from the mailbox under ``key``."""
-UPLOAD_LABEL = "upload_label"
-UPLOAD_GRAD = "upload_grad"
-"""The gradient of the stage's output, read from the mailbox under ``key``."""
-FORWARD = "forward"
-FUSED = "fused"
-RECOMPUTE = "recompute"
-BACKWARD = "backward"
-DOWNLOAD_VALUE = "download"
-"""Values of the op in ``inputs``, copied in one op and each handed to other jobs under
-its key in ``keys``."""
-TAKE_BUFFERS = "take_buffers"
-WRITE_BACK = "write_back"
-TAKE_GRADS = "take_grads"
-DOWNLOAD_GRADS = "download_grads"
-RELEASE = "release"
-
-UPLOADS = frozenset({UPLOAD_INPUT, UPLOAD_LABEL, UPLOAD_GRAD})
-COMPUTES = frozenset({FORWARD, FUSED, RECOMPUTE, BACKWARD})
 
 
 @dataclass(frozen=True)
 class DeviceOp:
+    """One op of a job's program. Prints as ``#3 download      download mb0 Loss(0)
+    after #2`` and parses back (:meth:`from_str`)."""
+
     index: int
-    kind: str
-    stream: str
+    kind: OpKind
+    """A kind or its name (``"forward"``); an unknown name is refused."""
     microbatch: int | None = None
     layers: range = range(0)
     key: HandoffKey | None = None
@@ -68,8 +43,15 @@ class DeviceOp:
     """An earlier op the host waits for (on the device) before issuing this one."""
     chunk: int | None = None
 
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "kind", OpKind(self.kind))
+
+    @property
+    def stream(self) -> StreamName:
+        return self.kind.stream
+
     def __str__(self) -> str:
-        parts = [f"#{self.index}", f"{self.stream:13}", self.kind]
+        parts = [f"#{self.index}", f"{self.stream.value:13}", self.kind.value]
         if self.chunk is not None:
             parts.append(f"chunk {self.chunk}")
         if self.microbatch is not None:
@@ -87,6 +69,50 @@ class DeviceOp:
         if self.host_wait is not None:
             parts.append(f"host waits #{self.host_wait}")
         return " ".join(parts)
+
+    @classmethod
+    def from_str(cls, text: str) -> DeviceOp:
+        """The op that prints as ``text`` (as ``str(op)`` does)."""
+        match = _OP_LINE.fullmatch(text.strip())
+        if match is None:
+            raise ValueError(f"cannot parse the op {text!r}: expected {_OP_FORM}")
+        kind, stream = OpKind(match["kind"]), StreamName(match["stream"])
+        if stream is not kind.stream:
+            raise ValueError(f"op {text!r}: {kind} runs on {kind.stream}, not {stream}")
+        handoffs = tuple(parse_keys(match["handoffs"] or ""))
+        if len(handoffs) > 1 and kind is not OpKind.DOWNLOAD:
+            raise ValueError(f"op {text!r}: only a download produces several handoffs")
+        first, last = match["first"], match["last"]
+        return cls(
+            int(match["index"]),
+            kind,
+            microbatch=_int(match["microbatch"]),
+            layers=range(int(first), int(last) + 1) if first is not None else range(0),
+            key=handoffs[0] if handoffs and kind is not OpKind.DOWNLOAD else None,
+            keys=handoffs if kind is OpKind.DOWNLOAD else (),
+            posts=tuple(parse_keys(match["posts"] or "")),
+            inputs=tuple(int(i) for i in re.findall(r"#(\d+)", match["inputs"] or "")),
+            host_wait=_int(match["host_wait"]),
+            chunk=_int(match["chunk"]),
+        )
+
+
+_KEYS = r"\w+\(\d+(?:,\d+)*\)(?:,\w+\(\d+(?:,\d+)*\))*"
+_OP_LINE = re.compile(
+    r"#(?P<index>\d+) (?P<stream>\w+) +(?P<kind>\w+)"
+    r"(?: chunk (?P<chunk>\d+))?(?: mb(?P<microbatch>\d+))?"
+    r"(?: L(?P<first>\d+)-(?P<last>\d+))?"
+    rf"(?: (?P<handoffs>{_KEYS}))?(?: posts (?P<posts>{_KEYS}))?"
+    r"(?: after (?P<inputs>#\d+(?:,#\d+)*))?(?: host waits #(?P<host_wait>\d+))?"
+)
+_OP_FORM = (
+    "'#<index> <stream> <kind> [chunk <n>] [mb<m>] [L<first>-<last>] [<keys>]"
+    " [posts <keys>] [after #<op>,...] [host waits #<op>]'"
+)
+
+
+def _int(text: str | None) -> int | None:
+    return int(text) if text is not None else None
 
 
 @dataclass(frozen=True)
@@ -127,19 +153,19 @@ class JobProgram:
     job: Job
     ops: tuple[DeviceOp, ...]
 
-    def on(self, stream: str) -> tuple[DeviceOp, ...]:
-        return tuple(op for op in self.ops if op.stream == stream)
+    def on(self, stream: StreamName) -> tuple[DeviceOp, ...]:
+        return tuple(op for op in self.ops if op.stream is stream)
 
     @functools.cached_property
     def weight_ops(self) -> tuple[DeviceOp, ...]:
-        return self.on(WEIGHT_UPLOAD)
+        return self.on(StreamName.WEIGHT_UPLOAD)
 
     @functools.cached_property
     def downloads(self) -> dict[int, tuple[HandoffKey, ...]]:
         """Per op, the keys under which values of its result are downloaded."""
         keys: dict[int, tuple[HandoffKey, ...]] = {}
         for op in self.ops:
-            if op.kind == DOWNLOAD_VALUE:
+            if op.kind is OpKind.DOWNLOAD:
                 keys[op.inputs[0]] = (*keys.get(op.inputs[0], ()), *op.keys)
         return keys
 
@@ -166,6 +192,18 @@ class JobProgram:
 
     def __str__(self) -> str:
         return "\n".join([f"{self.job}:", *(f"  {op}" for op in self.ops)])
+
+    @classmethod
+    def from_str(cls, text: str, job: Job) -> JobProgram:
+        """``job``'s program that prints as ``text`` (as ``str(program)`` does)."""
+        header, *lines = text.strip().splitlines()
+        if header != f"{job}:":
+            raise ValueError(f"the program {header!r} is not the program of job {job}")
+        ops = tuple(DeviceOp.from_str(line) for line in lines)
+        for position, op in enumerate(ops):
+            if op.index != position:
+                raise ValueError(f"{job}: op #{op.index} stands at position {position}")
+        return cls(job, ops)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -199,37 +237,39 @@ class _Builder:
         self.weights_ready: int | None = None
         self.last_compute: dict[int, int] = {}  # microbatch -> its last compute op
 
-    def add(self, kind: str, stream: str, **fields) -> int:
+    def add(self, kind: OpKind, **fields) -> int:
         index = len(self.ops)
-        self.ops.append(DeviceOp(index, kind, stream, **fields))
-        if stream == COMPUTE and fields.get("microbatch") is not None:
+        self.ops.append(DeviceOp(index, kind, **fields))
+        if kind.stream is StreamName.COMPUTE and fields.get("microbatch") is not None:
             self.last_compute[fields["microbatch"]] = index
         return index
 
-    def compute(self, kind: str, m: int, layers: range, inputs: tuple[int, ...], **fields) -> int:
+    def compute(
+        self, kind: OpKind, m: int, layers: range, inputs: tuple[int, ...], **fields
+    ) -> int:
         if self.weights_ready is not None:  # the first compute op waits for the weights
             inputs = (self.weights_ready, *inputs)
             self.weights_ready = None
-        return self.add(kind, COMPUTE, microbatch=m, layers=layers, inputs=inputs, **fields)
+        return self.add(kind, microbatch=m, layers=layers, inputs=inputs, **fields)
 
-    def upload(self, kind: str, m: int, key: HandoffKey | None = None) -> int:
+    def upload(self, kind: OpKind, m: int, key: HandoffKey | None = None) -> int:
         waits = self.last_compute.get(m - 2)
-        return self.add(kind, ACT_UPLOAD, microbatch=m, key=key, host_wait=waits)
+        return self.add(kind, microbatch=m, key=key, host_wait=waits)
 
     def download(self, source: int, m: int, *keys: HandoffKey) -> None:
-        self.add(DOWNLOAD_VALUE, DOWNLOAD, microbatch=m, keys=keys, inputs=(source,))
+        self.add(OpKind.DOWNLOAD, microbatch=m, keys=keys, inputs=(source,))
 
     def weights(self, chunks: int, has_buffers: bool) -> None:
         for chunk in range(chunks):
-            self.weights_ready = self.add(UPLOAD_WEIGHTS, WEIGHT_UPLOAD, chunk=chunk)
+            self.weights_ready = self.add(OpKind.UPLOAD_WEIGHTS, chunk=chunk)
         if has_buffers:
-            self.weights_ready = self.add(UPLOAD_BUFFERS, WEIGHT_UPLOAD)
+            self.weights_ready = self.add(OpKind.UPLOAD_BUFFERS)
 
     def forward(self, m: int) -> None:
         job, shape = self.job, self.shape
-        value = self.upload(UPLOAD_INPUT, m, Activation(job.layers.start, m))
+        value = self.upload(OpKind.UPLOAD_INPUT, m, Activation(job.layers.start, m))
         posts = tuple(RngState(i, m) for i in shape.rng_layers(job))
-        computed = self.compute(FORWARD, m, job.layers, (value,), posts=posts)
+        computed = self.compute(OpKind.FORWARD, m, job.layers, (value,), posts=posts)
         # The output first: the next stage waits for it. The inputs saved for recompute
         # are read only by backward jobs, much later: one op copies them all.
         self.download(computed, m, Activation(job.layers.stop, m))
@@ -239,10 +279,10 @@ class _Builder:
 
     def fused(self, m: int) -> None:
         job, shape = self.job, self.shape
-        value = self.upload(UPLOAD_INPUT, m, Activation(job.layers.start, m))
-        label = self.upload(UPLOAD_LABEL, m)
+        value = self.upload(OpKind.UPLOAD_INPUT, m, Activation(job.layers.start, m))
+        label = self.upload(OpKind.UPLOAD_LABEL, m)
         posts = () if shape.return_outputs else (Output(m),)
-        computed = self.compute(FUSED, m, job.layers, (value, label), posts=posts)
+        computed = self.compute(OpKind.FUSED, m, job.layers, (value, label), posts=posts)
         self.download(computed, m, Loss(m))
         if shape.return_outputs:
             self.download(computed, m, Output(m))
@@ -256,24 +296,24 @@ class _Builder:
         grad: int | None = None
         for layers in pieces:
             start = layers.start
-            saved = self.upload(UPLOAD_INPUT, m, Activation(start, m))
+            saved = self.upload(OpKind.UPLOAD_INPUT, m, Activation(start, m))
             rng = RngState(start, m) if shape.preserve_rng_state else None
-            graph = self.compute(RECOMPUTE, m, layers, (saved,), key=rng)
+            graph = self.compute(OpKind.RECOMPUTE, m, layers, (saved,), key=rng)
             if grad is None:
-                grad = self.upload(UPLOAD_GRAD, m, InputGrad(job.layers.stop, m))
-            grad = self.compute(BACKWARD, m, layers, (graph, grad))
+                grad = self.upload(OpKind.UPLOAD_GRAD, m, InputGrad(job.layers.stop, m))
+            grad = self.compute(OpKind.BACKWARD, m, layers, (graph, grad))
         if job.layers.start > 0:
             self.download(grad, m, InputGrad(job.layers.start, m))
 
     def finish(self, writes_back: bool) -> None:
         job = self.job
         if writes_back:
-            taken = self.add(TAKE_BUFFERS, COMPUTE)
-            self.add(WRITE_BACK, DOWNLOAD, inputs=(taken,))
+            taken = self.add(OpKind.TAKE_BUFFERS)
+            self.add(OpKind.WRITE_BACK, inputs=(taken,))
         if job.kind is not JobKind.FORWARD:
-            taken = self.add(TAKE_GRADS, COMPUTE)
-            self.add(DOWNLOAD_GRADS, DOWNLOAD, inputs=(taken,))
-        self.add(RELEASE, COMPUTE)
+            taken = self.add(OpKind.TAKE_GRADS)
+            self.add(OpKind.DOWNLOAD_GRADS, inputs=(taken,))
+        self.add(OpKind.RELEASE)
 
 
 def plan_chunks(

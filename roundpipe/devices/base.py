@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from ..core.program import ACT_UPLOAD, COMPUTE, DOWNLOAD, WEIGHT_UPLOAD
+from ..core.op_kinds import StreamName
 from .host_blocks import HostBlockPool
 
 RANDOM_KINDS = frozenset({"forward", "recompute", "fused"})
@@ -148,11 +148,11 @@ class Device(abc.ABC):
 
     index: int
     torch_device: torch.device
-    streams: dict[str, Stream]
+    streams: dict[StreamName, Stream]
 
     @property
     def compute(self) -> Stream:
-        return self.streams[COMPUTE]
+        return self.streams[StreamName.COMPUTE]
 
     def is_pinned(self, tensor: torch.Tensor) -> bool:
         """Whether copies from host ``tensor`` are asynchronous (page-locked memory)."""
@@ -160,15 +160,15 @@ class Device(abc.ABC):
 
     @property
     def weight_upload(self) -> Stream:
-        return self.streams[WEIGHT_UPLOAD]
+        return self.streams[StreamName.WEIGHT_UPLOAD]
 
     @property
     def act_upload(self) -> Stream:
-        return self.streams[ACT_UPLOAD]
+        return self.streams[StreamName.ACT_UPLOAD]
 
     @property
     def download(self) -> Stream:
-        return self.streams[DOWNLOAD]
+        return self.streams[StreamName.DOWNLOAD]
 
     @abc.abstractmethod
     def empty_like(self, host: torch.Tensor) -> torch.Tensor:

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from ..core.program import STREAMS
+from ..core.op_kinds import StreamName
 from .base import (
     MAPPED_FILE_ATTR,
     RANDOM_KINDS,
@@ -113,7 +113,7 @@ class CudaDevice(Device):
         self.pool = pool
         self.index = index
         self.torch_device = torch.device("cuda", index)
-        self.streams = {name: _CudaStream(self, name) for name in STREAMS}
+        self.streams = {name: _CudaStream(self, name.value) for name in StreamName}
 
     def __repr__(self) -> str:
         return f"cuda:{self.index}"

@@ -27,7 +27,7 @@ from .images import (
     images_refusal,
     split_with_images,
 )
-from .structure import packing_refusal, text_config, text_model
+from .structure import adapted_head_refusal, packing_refusal, text_config, text_model
 
 
 class HFRoundPipe(RoundPipe):
@@ -125,7 +125,7 @@ class HFRoundPipe(RoundPipe):
         rows = batch["input_ids"].shape[0]
         config = replace(
             self._with_images(batch, None) or self.run_config,
-            num_microbatch=min(self._microbatch_count(self.run_config), rows),
+            num_microbatch=self.run_config.microbatches_for(len(self.pool), rows),
             merge_output=lambda totals: torch.stack([t.float() for t in totals]).sum(),
         )
         with torch.no_grad():
@@ -150,7 +150,7 @@ class HFRoundPipe(RoundPipe):
         rows = batch["input_ids"].shape[0]
         config = replace(
             with_images or self.run_config,
-            num_microbatch=min(self._microbatch_count(self.run_config), rows),
+            num_microbatch=self.run_config.microbatches_for(len(self.pool), rows),
         )
         return self._forward((), batch, config)
 
@@ -279,6 +279,9 @@ def from_hf(model, **options) -> HFRoundPipe:
             "label tokens; across nodes its gradients are summed (grad_reduction='sum')"
         )
     causal_lm = text_model(causal_lm)
+    refusal = adapted_head_refusal(causal_lm)
+    if refusal is not None:
+        raise ValueError(refusal)
     pipe = HFRoundPipe(model_layers(causal_lm), _names_from=model, **options)
     pipe.max_positions = _max_positions(causal_lm.config)
     pipe.packing_refusal = packing_refusal(causal_lm)

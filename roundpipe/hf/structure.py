@@ -200,6 +200,22 @@ def packing_refusal(causal_lm: nn.Module) -> str | None:
     )
 
 
+def adapted_head_refusal(causal_lm: nn.Module) -> str | None:
+    """Why ``causal_lm`` cannot train with peft on its output layer (LoRA or
+    ``modules_to_save`` on ``lm_head``), or ``None``: the head's loss is computed in
+    chunks from the layer's weight, so an adapter there would silently not train."""
+    head = causal_lm.get_output_embeddings()
+    adapters = getattr(head, "lora_A", None)
+    if (adapters is not None and len(adapters) > 0) or hasattr(head, "modules_to_save"):
+        kind = "modules_to_save" if hasattr(head, "modules_to_save") else "LoRA"
+        return (
+            f"{kind} on the output layer (lm_head) is not supported: roundpipe computes the "
+            "head's loss in chunks from its weight, so the adapter would not train; leave "
+            "lm_head out of the target modules"
+        )
+    return None
+
+
 def twin(module: nn.Module, children: dict[str, nn.Module]) -> nn.Module:
     """A shallow copy of ``module`` (same class, same attributes, the same parameter and
     child objects) whose children ``children`` are replaced; ``module`` is unchanged."""

@@ -179,7 +179,7 @@ class RoundPipe(ModuleCall, Checkpoints, ParameterViews, Observation, nn.Module)
         with self._session.enter("forward_backward") as session:
             self._begin(session)
             session.wait_for_gradient_room()
-            num = self._microbatch_count(config)
+            num = config.microbatches_for(len(self.pool))
             inputs, labels, owned = self._own_inputs(config, args, kwargs, label, num)
             weights = self._loss_weights(config, microbatch_rows(inputs))
             schedule = lower(self._plan_for(config), len(self.pool), self._cursor)
@@ -326,9 +326,6 @@ class RoundPipe(ModuleCall, Checkpoints, ParameterViews, Observation, nn.Module)
                 layer.refresh()
         session.store.ensure_masters()
 
-    def _microbatch_count(self, config: RoundPipeRunConfig) -> int:
-        return config.num_microbatch or len(self.pool) + 1
-
     def _loss_weights(self, config: RoundPipeRunConfig, rows: list[int]) -> tuple | None:
         """What each microbatch's loss is multiplied by (``Call.loss_weights``): under
         ``scale_grads`` its share of the rows the loss is the mean over (on several
@@ -342,7 +339,8 @@ class RoundPipe(ModuleCall, Checkpoints, ParameterViews, Observation, nn.Module)
         if isinstance(config.execute_plan, Plan):
             return config.execute_plan.validate(self.num_layers)
         choose = self.planner.plan if count_call else self.planner.current
-        return choose(len(self.pool), self._microbatch_count(config), config.weight_chunk_bytes)
+        devices = len(self.pool)
+        return choose(devices, config.microbatches_for(devices), config.weight_chunk_bytes)
 
     def _own_inputs(self, config, args: tuple, kwargs: dict, label: Any, num: int):
         """Per-microbatch copies of the inputs and labels, and the buffers they use."""

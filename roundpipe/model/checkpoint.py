@@ -36,8 +36,7 @@ class Checkpoints:
         with self._session.enter("save_checkpoint") as session:
             session.check_open()
             session.synchronize()
-            buffers = list(self.model.named_buffers())
-            live = (self._session.store, self.pool, buffers, self._seeds)
+            live = self._live_state()
             ranks = _Ranks.of(self._node)
             save(ranks, _absolute(path), live, optimizer, lr_scheduler, grad_scaler, extra)
 
@@ -49,14 +48,17 @@ class Checkpoints:
         with self._session.enter("load_checkpoint") as session:
             session.check_open()
             session.synchronize()
-            store, buffers = self._session.store, list(self.model.named_buffers())
-            live, ranks = (store, self.pool, buffers, self._seeds), _Ranks.of(self._node)
+            live, ranks = self._live_state(), _Ranks.of(self._node)
             staged = load(ranks, _absolute(path), live, optimizer, lr_scheduler, grad_scaler)
-            files.put(staged, store, self.pool, buffers, self._seeds)
+            files.put(staged, live)
             session.synchronize()  # adopts the written weights (the masters take them) ...
-            store.restore_masters(staged.masters)  # ... then their full precision
+            live.store.restore_masters(staged.masters)  # ... then their full precision
             session.make_current()  # .grad shows the restored gradients
         return staged.extra
+
+    def _live_state(self) -> files.LiveState:
+        buffers = list(self.model.named_buffers())
+        return files.LiveState(self._session.store, self.pool, buffers, self._seeds)
 
 
 def _absolute(path) -> Path:
@@ -103,10 +105,12 @@ class _Ranks:
             raise PeerFailure(f"{doing} failed on rank(s) {failed}")
 
 
-def save(ranks: _Ranks, path: Path, live, optimizer, lr_scheduler, grad_scaler, extra) -> None:
-    """Write a checkpoint of ``live`` (store, pool, buffers, seeds) to ``path``: every
-    rank writes its part into a temporary directory, all agree, all swap it in (the
-    previous complete checkpoint kept), all agree, the previous goes."""
+def save(
+    ranks: _Ranks, path: Path, live: files.LiveState, optimizer, lr_scheduler, grad_scaler, extra
+) -> None:
+    """Write a checkpoint of ``live`` to ``path``: every rank writes its part into a
+    temporary directory, all agree, all swap it in (the previous complete checkpoint
+    kept), all agree, the previous goes."""
     target = ranks.place(path)
     rows = ranks.gather(
         [files.new_save_id(), *swap.held_ids(target)],
@@ -117,7 +121,7 @@ def save(ranks: _Ranks, path: Path, live, optimizer, lr_scheduler, grad_scaler, 
 
     def write() -> None:
         contents = files.contents(
-            *live, optimizer, lr_scheduler, grad_scaler, extra, save_id, ranks.shard
+            live, optimizer, lr_scheduler, grad_scaler, extra, save_id, ranks.shard
         )
         swap.check_replaceable(target)
         written.append(swap.temporary(target))
@@ -134,7 +138,9 @@ def save(ranks: _Ranks, path: Path, live, optimizer, lr_scheduler, grad_scaler, 
     swap.commit(target)
 
 
-def load(ranks: _Ranks, path: Path, live, optimizer, lr_scheduler, grad_scaler) -> files.Staged:
+def load(
+    ranks: _Ranks, path: Path, live: files.LiveState, optimizer, lr_scheduler, grad_scaler
+) -> files.Staged:
     """Read and check the newest checkpoint every rank holds at ``path`` and load the
     optimizer, scheduler and scaler states (put back if any rank fails); the caller
     puts the rest of what it returns in place."""
@@ -168,7 +174,7 @@ def load(ranks: _Ranks, path: Path, live, optimizer, lr_scheduler, grad_scaler) 
 
     def check() -> None:
         staged = files.read(
-            directory, chosen, ranks.shard, *live, optimizer, lr_scheduler, grad_scaler
+            directory, chosen, ranks.shard, live, optimizer, lr_scheduler, grad_scaler
         )
         undo = files.load_objects(
             staged, optimizer=optimizer, lr_scheduler=lr_scheduler, grad_scaler=grad_scaler

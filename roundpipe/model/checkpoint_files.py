@@ -16,17 +16,34 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from . import checkpoint_optimizer as optimizer_part
+
+if TYPE_CHECKING:
+    from ..devices.base import DevicePool
+    from ..runtime.params import ParameterStore
+    from ..runtime.seeds import CallSeeds
 
 FORMAT = 1
 TENSOR_FILES = ("weights", "masters", "rng", "optimizer")
 NAMES = frozenset({f"{name}.safetensors" for name in TENSOR_FILES} | {"state.json"})
 # A checkpoint written before saves had ids reads as save 1; drawn ids are larger.
 UNNUMBERED = 1
+
+
+@dataclass(frozen=True)
+class LiveState:
+    """The model's state a checkpoint saves and restores, besides the optimizer,
+    scheduler and scaler: its parameters (weights, masters and their gradients), its
+    buffers, and the random-number state of its host, devices and layers."""
+
+    store: ParameterStore
+    pool: DevicePool
+    buffers: list[tuple[str, torch.Tensor]]
+    seeds: CallSeeds
 
 
 @dataclass(frozen=True)
@@ -49,11 +66,10 @@ class Staged:
     objects: dict[str, dict]  # "optimizer", "lr_scheduler", "grad_scaler": state dicts
 
 
-def contents(
-    store, pool, buffers, seeds, optimizer, lr_scheduler, grad_scaler, extra, save_id, shard
-):
+def contents(live: LiveState, optimizer, lr_scheduler, grad_scaler, extra, save_id, shard):
     """Everything a save writes; raises before anything is written if ``extra`` or a
     state dict is not JSON data."""
+    store, pool, buffers, seeds = live.store, live.pool, live.buffers, live.seeds
     state: dict[str, Any] = {"format": FORMAT, "parameters": _names(store), "extra": extra}
     if shard is None:
         state["save_id"] = save_id
@@ -127,12 +143,11 @@ def saved_id(state: dict) -> int:
     return int((state.get("shard") or state).get("save_id", UNNUMBERED))
 
 
-def read(
-    directory, save_id, shard, store, pool, buffers, seeds, optimizer, lr_scheduler, grad_scaler
-):
-    """Read checkpoint ``directory`` (of save ``save_id``) and check it fits the model
-    and the given optimizer, scheduler and scaler; raises (naming the file, the tensor,
-    both sides) before anything changes."""
+def read(directory, save_id, shard, live: LiveState, optimizer, lr_scheduler, grad_scaler):
+    """Read checkpoint ``directory`` (of save ``save_id``) and check it fits the model's
+    ``live`` state and the given optimizer, scheduler and scaler; raises (naming the
+    file, the tensor, both sides) before anything changes."""
+    store, pool, buffers, seeds = live.store, live.pool, live.buffers, live.seeds
     state = read_state(directory)
     file = directory / "state.json"
     if saved_id(state) != save_id:
@@ -207,9 +222,10 @@ def load_objects(staged: Staged, **objects) -> Callable[[], None]:
     return undo
 
 
-def put(staged: Staged, store, pool, buffers, seeds) -> None:
-    """Copy the checked weights, buffers and RNG states of ``staged`` in (shapes and
-    dtypes were checked, so nothing can fail half-way)."""
+def put(staged: Staged, live: LiveState) -> None:
+    """Copy the checked weights, buffers and RNG states of ``staged`` into ``live``
+    (shapes and dtypes were checked, so nothing can fail half-way)."""
+    store, pool, buffers, seeds = live.store, live.pool, live.buffers, live.seeds
     with torch.no_grad():
         for entry in store.entries.values():
             if entry.trainable:

@@ -43,7 +43,7 @@ class ModuleCall:
             )
         with self._session.enter("forward") as session:
             self._begin(session)
-            num = self._microbatch_count(config)
+            num = config.microbatches_for(len(self.pool))
             inputs, _, owned = self._own_inputs(config, args, kwargs, None, num)
             schedule = lower_unfused(
                 self._plan_for(config), len(self.pool), self._cursor, with_backward=training

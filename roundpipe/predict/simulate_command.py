@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -240,6 +241,12 @@ def _cli_partition(plan: Plan) -> str:
     return str(Plan(plan.forward, (plan.backward[0] - 1, *plan.backward[1:])))
 
 
+LIMITS = {"--gpus": 512, "--layers": 512, "--microbatches": 4096, "--round-size": 4096,
+          "--chunks": 64, "--nodes": 1024}  # fmt: skip
+"""The largest counts ``simulate`` takes: beyond them a simulation runs for minutes or
+exhausts memory (``--layers 2000`` takes about two minutes)."""
+
+
 def _validate(args: argparse.Namespace) -> None:
     """Exit 2 with a message on values no simulation can use."""
     positive = {
@@ -256,9 +263,24 @@ def _validate(args: argparse.Namespace) -> None:
         "--nodes": args.nodes,
         "--network-gbps": args.network_gbps,
     }
+    costs = {"--fwd-ms": args.fwd_ms, "--bwd-ms": args.bwd_ms, "--head-fwd-ms": args.head_fwd_ms,
+             "--head-bwd-ms": args.head_bwd_ms, "--comm-ms": args.comm_ms}  # fmt: skip
+    for flag, value in {**positive, **costs, "--mfu": args.mfu}.items():
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ValueError(f"{flag} must be a finite number, got {value}")
     for flag, value in positive.items():
         if value is not None and value <= 0:
             raise ValueError(f"{flag} must be positive, got {value}")
+    for flag, value in costs.items():
+        if value < 0:
+            raise ValueError(f"{flag} must be zero or more, got {value}")
+    for flag, most in LIMITS.items():
+        value = getattr(args, flag[2:].replace("-", "_"))
+        if value is not None and value > most:
+            raise ValueError(
+                f"{flag} {value} is more than the simulator steps through in reasonable time "
+                f"(at most {most}: every op of every microbatch is simulated)"
+            )
     if args.mfu is not None and not 0 < args.mfu <= 1:
         raise ValueError(f"--mfu is a fraction of peak FLOP/s in (0, 1], got {args.mfu}")
     if args.model and args.config:

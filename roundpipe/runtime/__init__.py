@@ -1,5 +1,9 @@
 """The runtime: executes lowered schedules on a device pool, keeps the training state.
 
+One call's threads (caller, prefetch, issue, completer, optimizer) and a device's
+streams (weight and activation uploads, compute, download) are drawn in
+docs/design.md#threads-and-streams-of-a-call.
+
 The caller's side:
 
 - ``session``: calls and steps in flight, the only writer of the ``ledger``; failure

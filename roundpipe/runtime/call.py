@@ -52,15 +52,13 @@ class Call:
     its caller meet (each safe across threads)."""
 
     schedule: Schedule
+    config: RoundPipeRunConfig
+    """How it runs: recompute grain and RNG, weight chunks and prefetch depth, sequence
+    tiling (its microbatch count is ``num_microbatches``)."""
     num_microbatches: int
-    recompute_grain: str
-    preserve_rng_state: bool
     weights_version: int
     weights_buffer: int
     """Which upload buffer holds ``weights_version`` (see :mod:`.versions`)."""
-    chunk_bytes: int | None
-    prefetch_stages: int
-    gate_chunks: bool
     autocast: AutocastState
     loss_fn: Callable[..., torch.Tensor] | None
     labels: list[Any] | None
@@ -76,8 +74,6 @@ class Call:
     forward_only: bool = False
     rng_seed: int = 0
     """The seed its layers' random numbers derive from (:mod:`.seeds`)."""
-    seq_chunk_tokens: int | None = None
-    """What its layers see as ``roundpipe.core.tiling.seq_chunk_tokens()``."""
     loss_weights: tuple[float, ...] | None = None
     """What each microbatch's ``loss_fn`` value is multiplied by before its backward
     (``scale_grads``: its share of the rows); the call's loss is the sum of the
@@ -94,25 +90,35 @@ class Call:
         inputs: list[tuple[tuple, dict]],
         labels: list[Any] | None,
         versions: VersionState,
-        **fields: Any,
+        *,
+        seq: int,
+        rewrites_before: int,
+        layer_changes_before: int,
+        autocast: AutocastState,
+        loss_fn: Callable[..., torch.Tensor] | None,
+        return_outputs: bool,
+        rng_seed: int,
+        loss_weights: tuple[float, ...] | None = None,
     ) -> Call:
         """A call of ``schedule`` run with ``config`` on ``inputs``, reading the weights
         ``versions`` says new calls read; its inputs are posted for the first jobs."""
         call = cls(
             schedule=schedule,
+            config=config,
             num_microbatches=len(inputs),
-            recompute_grain=config.recompute_grain,
-            preserve_rng_state=config.preserve_rng_state,
             weights_version=versions.read,
             weights_buffer=versions.home_of(versions.read),
-            chunk_bytes=config.weight_chunk_bytes,
-            prefetch_stages=config.prefetch_stages,
-            gate_chunks=config.gate_weight_chunks,
-            seq_chunk_tokens=config.seq_chunk_tokens,
+            autocast=autocast,
+            loss_fn=loss_fn,
             labels=labels,
+            return_outputs=return_outputs,
+            seq=seq,
             steps_before=versions.newest,
-            forward_only=fields["loss_fn"] is None and not schedule.backward_jobs,
-            **fields,
+            rewrites_before=rewrites_before,
+            layer_changes_before=layer_changes_before,
+            forward_only=loss_fn is None and not schedule.backward_jobs,
+            rng_seed=rng_seed,
+            loss_weights=loss_weights,
         )
         for m, (args, kwargs) in enumerate(inputs):
             call.mailbox.post(Activation(0, m), Handoff(Slot((tuple(args), dict(kwargs))), None))
@@ -121,14 +127,13 @@ class Call:
     def __post_init__(self) -> None:
         setattr_ = object.__setattr__
         setattr_(self, "latch", Latch(j.index for j in self.first_jobs))
-        inputs = recompute_inputs(
-            self.schedule, self.recompute_grain, self.forward_only, self.deferred
-        )
+        grain = self.config.recompute_grain
+        inputs = recompute_inputs(self.schedule, grain, self.forward_only, self.deferred)
         shape = CallShape(
             self.num_microbatches,
-            self.recompute_grain,
+            grain,
             inputs,
-            self.preserve_rng_state,
+            self.config.preserve_rng_state,
             self.return_outputs,
         )
         setattr_(self, "shape", shape)

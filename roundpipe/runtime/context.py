@@ -24,6 +24,18 @@ completed, ``on_error(error)`` instead if they or ``fn`` failed."""
 
 
 @dataclass(frozen=True)
+class GradientReports:
+    """How a device worker tells the session about a call's gradients (the session is
+    the ledger's only writer, so the worker reports instead of writing)."""
+
+    accumulated: Callable[[Call], None]
+    """Some gradient of a call reaches the masters (reported before the first is
+    added, so that a failure half-way counts it)."""
+    gradients_in: Callable[[Call, Job, frozenset[int]], None]
+    """A job's gradients (of the given masters) were added."""
+
+
+@dataclass(frozen=True)
 class WorkerContext:
     """One device worker's share of the model: the same for every job it runs."""
 
@@ -34,11 +46,7 @@ class WorkerContext:
     buffer_gates: Mapping[int, VersionGate]
     """Per layer with buffers: the seq of the first call that may read them."""
     after: FollowUp
-    accumulated: Callable[[Call], None]
-    """Reports to the session that some gradient of a call reaches the masters (before
-    the first is added, so that a failure half-way counts it)."""
-    gradients_in: Callable[[Call, Job, frozenset[int]], None]
-    """Reports to the session that a job's gradients (of the given masters) were added."""
+    reports: GradientReports
     gradient_room: threading.Semaphore
     """Held from a job's gradient download until they reached the masters: at most one
     job's gradients per device wait in host memory (docs/design.md#gradients)."""

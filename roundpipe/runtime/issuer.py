@@ -1,28 +1,32 @@
 """Issuing a job's device ops by interpreting its program (:mod:`roundpipe.core.program`).
 
-The prefetch thread issues the program's weight ops; a :class:`JobIssuer` issues the
-rest, in program order, on the worker's issue thread, without waiting on the device
-except for the program's host waits, taking each upload's device memory when issued, as
-CUDA's caching allocator does (docs/design.md#issuing-a-job).
+One table, :data:`OP_HANDLERS`, says which thread issues each op kind and how: the
+prefetch thread issues the program's weight ops (:func:`upload_stage_weights`, handlers
+in :mod:`.prefetch`); a :class:`JobIssuer` issues the rest, in program order, on the
+worker's issue thread, without waiting on the device except for the program's host
+waits, taking each upload's device memory when issued, as CUDA's caching allocator does
+(docs/design.md#issuing-a-job).
 """
 
 from __future__ import annotations
 
+import enum
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from ..core import program as P
 from ..core.keys import Activation, InputGrad, RngState, key_label
+from ..core.op_kinds import OpKind, StreamName
 from ..core.program import DeviceOp, JobProgram
 from ..core.schedule import JobKind
 from ..devices.base import Event, OpInfo, Slot, Stream
 from ..errors import failure_site
 from .call import Call
 from .context import JobContext, WorkerContext
-from .prefetch import StageWeights
+from .prefetch import StageWeights, WeightUpload
 from .profiler import TransferTiming
 from .stage_compute import StageCompute
 from .sync import Handoff
@@ -47,7 +51,8 @@ class JobIssuer:
         self.shapes: dict = {}  # key -> the slot of a downloaded value's shapes
         self.events: dict[int, Event] = {}
         self.needs_event = program.event_ops
-        self.waited: dict[tuple[str, str], int] = {}  # (stream, other stream) -> last op
+        # (stream, other stream) -> the last op of the other stream it waited for
+        self.waited: dict[tuple[StreamName, StreamName], int] = {}
         self.transfers: list[TransferTiming] = list(weights.transfers)
         """The job's timed transfers, for the profiler once the job has finished."""
         if program.weight_ops:
@@ -55,10 +60,11 @@ class JobIssuer:
 
     def issue(self) -> None:
         for op in self.program.ops:
-            if op.stream != P.WEIGHT_UPLOAD:
-                self.issue_op(op)
+            handler = handler_for(op.kind)
+            if handler.thread is IssuingThread.ISSUE:
+                self.issue_op(op, handler)
 
-    def issue_op(self, op: DeviceOp) -> None:
+    def issue_op(self, op: DeviceOp, handler: OpHandler) -> None:
         if op.host_wait is not None:
             self.events[op.host_wait].wait(None)  # the memory bound, counted when issued
         stream = self.device.streams[op.stream]
@@ -68,7 +74,7 @@ class JobIssuer:
                 stream.wait(self.events[index])
                 self.waited[(op.stream, source)] = index
         self.results[op.index] = Slot()
-        _HANDLERS[op.kind](self, op, stream)
+        handler.issue(self, op, stream)
         if op.index in self.needs_event:
             self.events[op.index] = stream.record()
         for key, slot in self.posted.pop(op.index, {}).items():
@@ -149,7 +155,7 @@ class JobIssuer:
         """Submit a compute op whose result (``body()``) goes to the op's result slot;
         the values it posts itself get slots of their own."""
         result, device = self.results[op.index], self.device
-        info = self.info(op, op.kind, f"{self.name} mb{op.microbatch}", op.layers)
+        info = self.info(op, op.kind.value, f"{self.name} mb{op.microbatch}", op.layers)
         where = f"{self.name}, {op.kind} of microbatch {op.microbatch}"
         if len(op.layers) == 1:
             where += f" ({self.ctx.worker.layers[op.layers.start]})"
@@ -178,14 +184,14 @@ class JobIssuer:
 
         stream.submit(run, info)
 
-    def input_of(self, op: DeviceOp, *kinds: str) -> tuple[DeviceOp, Slot]:
+    def input_of(self, op: DeviceOp, *kinds: OpKind) -> tuple[DeviceOp, Slot]:
         for index in op.inputs:
             if self.program.ops[index].kind in kinds:
                 return self.program.ops[index], self.results[index]
         raise AssertionError(f"op #{op.index} reads no {kinds}")
 
     def forward(self, op: DeviceOp, stream: Stream) -> None:
-        _, value = self.input_of(op, P.UPLOAD_INPUT)
+        _, value = self.input_of(op, OpKind.UPLOAD_INPUT)
         stop = self.job.layers.stop
         saves = frozenset(  # the inputs kept for recompute, besides the output
             key.layer
@@ -197,12 +203,12 @@ class JobIssuer:
         self.run_compute(op, stream, lambda: self.compute.forward(m, value, saves, rng))
 
     def fused(self, op: DeviceOp, stream: Stream) -> None:
-        _, value = self.input_of(op, P.UPLOAD_INPUT)
-        _, label = self.input_of(op, P.UPLOAD_LABEL)
+        _, value = self.input_of(op, OpKind.UPLOAD_INPUT)
+        _, label = self.input_of(op, OpKind.UPLOAD_LABEL)
         self.run_compute(op, stream, lambda: self.compute.fused(op.microbatch, value, label))
 
     def recompute(self, op: DeviceOp, stream: Stream) -> None:
-        _, value = self.input_of(op, P.UPLOAD_INPUT)
+        _, value = self.input_of(op, OpKind.UPLOAD_INPUT)
         rng = None
         if op.key is not None:
             handoff = self.mailbox.get(op.key)
@@ -212,11 +218,11 @@ class JobIssuer:
         self.run_compute(op, stream, lambda: self.compute.recompute(m, op.layers, value, rng))
 
     def backward(self, op: DeviceOp, stream: Stream) -> None:
-        _, graph = self.input_of(op, P.RECOMPUTE)
-        source, grad = self.input_of(op, P.UPLOAD_GRAD, P.BACKWARD)
+        _, graph = self.input_of(op, OpKind.RECOMPUTE)
+        source, grad = self.input_of(op, OpKind.UPLOAD_GRAD, OpKind.BACKWARD)
 
         def incoming():
-            if source.kind == P.UPLOAD_GRAD:
+            if source.kind is OpKind.UPLOAD_GRAD:
                 return grad.take()
             return grad.value.pop(InputGrad(source.layers.start, op.microbatch))
 
@@ -326,7 +332,7 @@ class JobIssuer:
                 # The optimizer may still be consuming the previous step's gradients.
                 worker.versions.published.wait_for(call.steps_before)
                 uids = _accumulate(worker, call, downloaded.slot.take(), scale)
-                worker.gradients_in(call, job, uids)
+                worker.reports.gradients_in(call, job, uids)
                 room.release()  # after the download blocks were given back
 
             def failed(error: BaseException) -> None:
@@ -351,24 +357,71 @@ def _accumulate(
     """Add a job's downloaded gradients into the masters (they die on return); returns
     the masters that got one."""
     if grads:
-        worker.accumulated(call)
+        worker.reports.accumulated(call)
     for uid, grad in grads.items():
         worker.store.accumulate_grad(uid, grad, scale)
     return frozenset(grads)
 
 
-_HANDLERS: dict[str, Callable[[JobIssuer, DeviceOp, Stream], None]] = {
-    P.UPLOAD_INPUT: JobIssuer.upload_input,
-    P.UPLOAD_LABEL: JobIssuer.upload_label,
-    P.UPLOAD_GRAD: JobIssuer.upload_grad,
-    P.FORWARD: JobIssuer.forward,
-    P.FUSED: JobIssuer.fused,
-    P.RECOMPUTE: JobIssuer.recompute,
-    P.BACKWARD: JobIssuer.backward,
-    P.DOWNLOAD_VALUE: JobIssuer.download_value,
-    P.TAKE_BUFFERS: JobIssuer.take_buffers,
-    P.WRITE_BACK: JobIssuer.write_back,
-    P.TAKE_GRADS: JobIssuer.take_grads,
-    P.DOWNLOAD_GRADS: JobIssuer.download_grads,
-    P.RELEASE: JobIssuer.release,
+class IssuingThread(enum.Enum):
+    """The worker thread that issues an op (docs/design.md#issuing-a-job)."""
+
+    PREFETCH = "prefetch"
+    ISSUE = "issue"
+
+
+@dataclass(frozen=True)
+class OpHandler:
+    thread: IssuingThread
+    issue: Callable[..., None]
+    """``issue(interpreter, op, stream)``: a :class:`~.prefetch.WeightUpload` on the
+    prefetch thread, a :class:`JobIssuer` on the issue thread."""
+
+
+_PREFETCH, _ISSUE = IssuingThread.PREFETCH, IssuingThread.ISSUE
+OP_HANDLERS: dict[OpKind, OpHandler] = {
+    OpKind.UPLOAD_WEIGHTS: OpHandler(_PREFETCH, WeightUpload.upload_weights),
+    OpKind.UPLOAD_BUFFERS: OpHandler(_PREFETCH, WeightUpload.upload_buffers),
+    OpKind.UPLOAD_INPUT: OpHandler(_ISSUE, JobIssuer.upload_input),
+    OpKind.UPLOAD_LABEL: OpHandler(_ISSUE, JobIssuer.upload_label),
+    OpKind.UPLOAD_GRAD: OpHandler(_ISSUE, JobIssuer.upload_grad),
+    OpKind.FORWARD: OpHandler(_ISSUE, JobIssuer.forward),
+    OpKind.FUSED: OpHandler(_ISSUE, JobIssuer.fused),
+    OpKind.RECOMPUTE: OpHandler(_ISSUE, JobIssuer.recompute),
+    OpKind.BACKWARD: OpHandler(_ISSUE, JobIssuer.backward),
+    OpKind.DOWNLOAD: OpHandler(_ISSUE, JobIssuer.download_value),
+    OpKind.TAKE_BUFFERS: OpHandler(_ISSUE, JobIssuer.take_buffers),
+    OpKind.WRITE_BACK: OpHandler(_ISSUE, JobIssuer.write_back),
+    OpKind.TAKE_GRADS: OpHandler(_ISSUE, JobIssuer.take_grads),
+    OpKind.DOWNLOAD_GRADS: OpHandler(_ISSUE, JobIssuer.download_grads),
+    OpKind.RELEASE: OpHandler(_ISSUE, JobIssuer.release),
 }
+"""Which thread issues each op kind, and how: every kind, checked on import. The weight
+uploads go on the prefetch thread, so a stage's weights travel while the device still
+computes the stage before (the kinds of the weight-upload stream, exactly)."""
+
+_prefetched = {kind for kind, handler in OP_HANDLERS.items() if handler.thread is _PREFETCH}
+if OP_HANDLERS.keys() != set(OpKind) or _prefetched != {
+    kind for kind in OpKind if kind.stream is StreamName.WEIGHT_UPLOAD
+}:
+    raise RuntimeError("OP_HANDLERS must handle every OpKind, its weight uploads prefetched")
+
+
+def handler_for(kind: OpKind) -> OpHandler:
+    """The handler of ``kind``; an unknown kind is refused by name."""
+    handler = OP_HANDLERS.get(kind)
+    if handler is None:
+        known = ", ".join(k.value for k in OP_HANDLERS)
+        raise ValueError(f"no handler for op kind {kind!r}: the runtime issues {known}")
+    return handler
+
+
+def upload_stage_weights(ctx: JobContext) -> tuple[JobProgram, StageWeights]:
+    """On the prefetch thread: lower the job to its program, allocate its weights on the
+    device now and issue the program's weight ops."""
+    upload = WeightUpload(ctx)
+    for op in upload.program.ops:
+        handler = handler_for(op.kind)
+        if handler.thread is IssuingThread.PREFETCH:
+            handler.issue(upload, op, upload.device.streams[op.stream])
+    return upload.program, upload.stage_weights()

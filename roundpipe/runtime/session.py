@@ -20,6 +20,7 @@ from ..errors import RoundPipeError
 from . import failures, lifetime
 from .backward_steps import BackwardSteps
 from .call import Call
+from .context import GradientReports
 from .driving import Driving
 from .inputs import HostBufferPool
 from .layers import LayerBinding
@@ -63,7 +64,7 @@ class Session:
                 self.versions,
                 buffer_gates,
                 profiler,
-                (self._accumulated, self._gradients_in),
+                GradientReports(self._accumulated, self._gradients_in),
             )
             for device in pool
         ]

@@ -129,7 +129,7 @@ class StageCompute:
             with (
                 failure_site(f"{layer} in {self.name}, microbatch {m}"),
                 self.device.random_scope(layer_seed(seed, index), shell),
-                sequence_tiling(self.call.seq_chunk_tokens),
+                sequence_tiling(self.call.config.seq_chunk_tokens),
             ):
                 output = self.timed(kind, range(index, index + 1), shell, *args, **kwargs)
                 return ((output,), {})

@@ -4,7 +4,8 @@ Every job passes the *prefetch* thread (its claim, the memory bound, its weight 
 and then the *issue* thread (a :class:`~.issuer.JobIssuer`), so job *j*'s weights
 upload while job *j* − 1 computes; the *completer* thread does the host work that must
 follow device work. The threads survive every error, hold the worker, never the
-``RoundPipe``, and fail a job through one path (docs/design.md#device-workers).
+``RoundPipe``, and fail a job through one path (docs/design.md#device-workers; the
+picture: docs/design.md#threads-and-streams-of-a-call).
 """
 
 from __future__ import annotations
@@ -16,22 +17,22 @@ import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
+from ..core.config import MAX_PREFETCH_STAGES
 from ..core.program import JobProgram
 from ..core.schedule import Job
 from ..devices.base import Device, Event
 from ..errors import locate, release_frames
 from .call import Call
-from .context import JobContext, WorkerContext
-from .issuer import JobIssuer
+from .context import GradientReports, JobContext, WorkerContext
+from .issuer import JobIssuer, upload_stage_weights
 from .layers import LayerBinding
 from .params import ParameterStore
-from .prefetch import StageWeights, upload_stage_weights
+from .prefetch import StageWeights
 from .profiler import LayerProfiler
 from .sync import VersionGate
 from .versions import WeightVersions
 
 _STOP = object()
-MAX_PREFETCH = 4
 
 
 @dataclass(eq=False)
@@ -86,7 +87,7 @@ class DeviceWorker:
         versions: WeightVersions,
         buffer_gates: Mapping[int, VersionGate],
         profiler: LayerProfiler,
-        reports: tuple[Callable[[Call], None], Callable[[Call, Job, frozenset[int]], None]],
+        reports: GradientReports,
     ) -> None:
         self.device = device
         self.profiler = profiler
@@ -94,19 +95,21 @@ class DeviceWorker:
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         followups = self._followups = queue.SimpleQueue()
         self.context = WorkerContext(
-            device,
-            tuple(layers),
-            store,
-            versions,
-            buffer_gates,
-            lambda events, fn, on_error: followups.put((events, fn, on_error)),
-            *reports,
-            threading.Semaphore(1),
+            device=device,
+            layers=tuple(layers),
+            store=store,
+            versions=versions,
+            buffer_gates=buffer_gates,
+            after=lambda events, fn, on_error: followups.put((events, fn, on_error)),
+            reports=reports,
+            gradient_room=threading.Semaphore(1),
         )
         self._threads: list[threading.Thread] = []
         self._start_lock = threading.Lock()
         # The last jobs prefetched: the memory bound waits on the one that far back.
-        self._prefetched: collections.deque[DeviceJob] = collections.deque(maxlen=MAX_PREFETCH + 1)
+        self._prefetched: collections.deque[DeviceJob] = collections.deque(
+            maxlen=MAX_PREFETCH_STAGES + 1
+        )
 
     # -- threads ---------------------------------------------------------------------
 
@@ -118,7 +121,7 @@ class DeviceWorker:
             loops = (
                 (_prefetch_loop, self._prefetches, "prefetch"),
                 (_issue_loop, self._jobs, "issue"),
-                (_followup_loop, self._followups, "done"),
+                (_completer_loop, self._followups, "completer"),
             )
             for loop, tasks, role in loops:
                 thread = threading.Thread(
@@ -154,7 +157,7 @@ class DeviceWorker:
             if not ctx.call.claim(ctx.job):
                 return  # cancelled after an interrupt, or already run
             record.claimed = True
-            depth = ctx.call.prefetch_stages
+            depth = ctx.call.config.prefetch_stages
             if len(self._prefetched) > depth:
                 self._prefetched[-depth - 1].wait_until_finished()
             record.program, record.weights = upload_stage_weights(ctx)
@@ -247,7 +250,7 @@ def _issue_loop(records: queue.SimpleQueue, worker: DeviceWorker) -> None:
             worker.fail_job(record.ctx.call, record.ctx.job, exc, record=record)
 
 
-def _followup_loop(followups: queue.SimpleQueue, worker: DeviceWorker) -> None:
+def _completer_loop(followups: queue.SimpleQueue, worker: DeviceWorker) -> None:
     while True:
         item = followups.get()
         if item is _STOP:

@@ -290,6 +290,8 @@ def check_compatible(found: Found, options: TrainOptions) -> None:
         )
     saved = saved_state_options(saved)
     differ = [key for key in STATE_KEYS if key in now and saved.get(key) != now[key]]
+    if saved.get("precision") not in (None, now.get("precision")):
+        differ.append("precision")  # the dtype of the weights the checkpoint holds
     if differ:
         raise UsageError(
             f"--resume: {path} holds an optimizer state or weights of other types "

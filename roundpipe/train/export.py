@@ -12,14 +12,17 @@ result; a sharded checkpoint holds all of them in every rank's shard.
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import shutil
+import sys
 import tempfile
 from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
 from ..errors import one_line_usage_errors
+from .disk import disk_full
 from .options import OPTIONS, PRECISIONS, TrainOptions, UsageError
 
 DESCRIPTION = """\
@@ -68,8 +71,46 @@ def run_export(args: argparse.Namespace) -> int:
         written = export(checkpoint, args.output, args.merge, args.save_dtype)
     except UsageError as error:
         args.export_parser.exit(EXIT_USAGE, f"roundpipe export: error: {error}\n")
+    except KeyboardInterrupt:
+        print(f"roundpipe export: interrupted; nothing was written to {args.output}",
+              file=sys.stderr, flush=True)  # fmt: skip
+        return 130
+    except Exception as error:  # noqa: BLE001 - the failures of writing, each one line
+        why = _write_failure(error, Path(args.output))
+        if why is None:
+            raise
+        print(f"roundpipe export: error: {why}", file=sys.stderr, flush=True)
+        return 1
     print(f"wrote the {written} to {args.output}", flush=True)
     return 0
+
+
+def _write_failure(error: BaseException, output: Path) -> str | None:
+    """The line for an export that failed to write ``output`` (nothing of it is left):
+    a full disk or quota, the file-size limit (``ulimit -f``), or another export that
+    wrote ``output`` meanwhile; ``None`` for any other error."""
+    if disk_full(error):
+        free = shutil.disk_usage(output.parent if output.parent.exists() else Path.cwd()).free
+        return (
+            f"no space left to write {output} ({free / 1e9:.3g} GB free there); nothing "
+            "was written: free some space and export again"
+        )
+    chain = []
+    while error is not None and error not in chain:
+        chain.append(error)
+        error = error.__cause__ or error.__context__
+    for each in chain:
+        if isinstance(each, OSError) and each.errno == errno.EFBIG or "os error 27" in str(each):
+            return (
+                f"a file of {output} would exceed the file-size limit (ulimit -f); nothing "
+                "was written: raise the limit and export again"
+            )
+        if isinstance(each, OSError) and each.errno in (errno.ENOTEMPTY, errno.EEXIST):
+            return (
+                f"{output} was written by another export meanwhile; this one kept nothing "
+                "(export to another --output, or one at a time)"
+            )
+    return None
 
 
 def _newest_if_run(checkpoint: Path) -> Path:

@@ -109,7 +109,7 @@ def fit_sequences(pipe, options: TrainOptions, ranks: Ranks) -> None:
 
 def _setting(pipe, options: TrainOptions, ranks: Ranks) -> SequenceSetting:
     rows = max(1, options.batch_size // ranks.world)
-    split = min(pipe.run_config.num_microbatch or len(pipe.pool) + 1, rows)
+    split = pipe.run_config.microbatches_for(len(pipe.pool), rows)
     states, masters = optimizer_settings(options)
     quantize = None if options.full or options.quantize == "none" else options.quantize
     return sequence_setting(

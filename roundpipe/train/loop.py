@@ -96,6 +96,12 @@ def build_pipe(
     return pipe, scaler
 
 
+def step_run_config(config, devices: int, rows: int, world: int):
+    """The run config of a training step of ``rows`` rows over ``world`` processes: the
+    microbatch count ``config`` gives, at most the rows of the smallest share."""
+    return replace(config, num_microbatch=config.microbatches_for(devices, rows // world))
+
+
 def mean_token_loss(pipe, batches, ranks: Ranks | None = None) -> float:
     """The mean cross-entropy over every label token of ``batches`` (all of its first
     epoch), in eval mode, without gradients and through the head's chunked loss; the
@@ -188,7 +194,9 @@ class Run:
             open_progress(self.total, start.step, self.stream) if self.main else Silent()
         )
         try:
-            self.trackers = open_trackers(o.trackers(), self.output, o.run_record(), self.main)
+            self.trackers = open_trackers(
+                o.trackers(), self.output, o.run_record(), self.main, start.step
+            )
             try:
                 return self._loop(start)
             finally:
@@ -300,9 +308,8 @@ class Run:
         step = index + 1
         batches = self.prepared.train_batches
         batch = batches.batch(index)
-        default_split = self.pipe.run_config.num_microbatch or len(self.pipe.pool) + 1
-        smallest_share = batch["input_ids"].shape[0] // self.ranks.world
-        config = replace(self.pipe.run_config, num_microbatch=min(default_split, smallest_share))
+        rows = batch["input_ids"].shape[0]
+        config = step_run_config(self.pipe.run_config, len(self.pipe.pool), rows, self.ranks.world)
         share = self.ranks.share(batch)
         pending_loss = self.pipe.forward_backward(input_kwargs=share, run_config=config)
         self.pipe.step(self.step_fn, is_async=not o.sync)  # queued before the loss is read

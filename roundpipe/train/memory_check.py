@@ -24,6 +24,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from ..core.config import RoundPipeRunConfig
 from ..predict.breakdown import MemoryFit
 from ..predict.gpus import GIB, GPU_PRESETS, PRECISIONS
 from ..predict.host_memory import usable_ram
@@ -80,7 +81,8 @@ def run_workload(options: TrainOptions, world: int) -> Workload:
     batch in ``--microbatches`` (default devices + 1), all of them one call per step,
     the masters and optimizer state split over ``world`` processes."""
     rows = max(options.batch_size // world, 1)
-    count = min(options.microbatches or _device_count(options.devices) + 1, rows)
+    run_config = RoundPipeRunConfig(num_microbatch=options.microbatches)
+    count = run_config.microbatches_for(_device_count(options.devices), rows)
     states, masters = optimizer_settings(options)
     quantize = None if options.quantize == "none" else options.quantize
     fp32 = options.precision not in PRECISIONS

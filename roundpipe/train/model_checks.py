@@ -134,11 +134,16 @@ def _check_lora_targets(empty, options: TrainOptions, model_name: str) -> None:
                     f"{flag}: {target!r} names no module of {model_name} (its "
                     f"linear layers: {', '.join(_linear_names(empty))})"
                 )
+    from ..hf.structure import adapted_head_refusal, text_model
+
     try:
         with quiet_transformers():
-            peft.get_peft_model(empty, lora_config(options))
+            wrapped = peft.get_peft_model(empty, lora_config(options))
     except (ValueError, TypeError) as error:
         raise UsageError(f"{flag}: {error}") from error
+    refusal = adapted_head_refusal(text_model(wrapped.get_base_model()))
+    if refusal is not None:
+        raise UsageError(f"{flag}: {refusal}")
 
 
 def _linear_names(model) -> list[str]:

@@ -8,6 +8,8 @@ choices that depend on the model's dtype.
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import re
 from typing import Any
 
@@ -44,6 +46,7 @@ def check(options: TrainOptions, given: set[str]) -> None:
         missing = [f"--{n}" for n in ("model", "data", "output") if getattr(o, n) is None]
         if missing:
             raise UsageError(f"missing {', '.join(missing)} (or use --demo)")
+    _check_finite(o)
     _check_mode(o, given)
     if o.steps is not None and o.epochs is not None:
         raise UsageError(f"give --steps ({o.steps}) or --epochs ({o.epochs}), not both")
@@ -82,6 +85,15 @@ def check(options: TrainOptions, given: set[str]) -> None:
     if o.warmup_ratio is not None and not 0 <= o.warmup_ratio <= 1:
         raise UsageError(f"--warmup-ratio must be a fraction in [0, 1], got {o.warmup_ratio}")
     check_trackers(o.trackers())
+
+
+def _check_finite(o: TrainOptions) -> None:
+    """A number option that is NaN or infinite is refused, by name (``--lr inf`` would
+    train to NaN losses and exit 0; comparisons with NaN pass every range check)."""
+    for field in dataclasses.fields(o):
+        value = getattr(o, field.name)
+        if isinstance(value, float) and not math.isfinite(value):
+            raise UsageError(f"{flag(field.name)} must be a finite number, got {value}")
 
 
 def _check_mode(o: TrainOptions, given: set[str]) -> None:

@@ -327,9 +327,9 @@ class TrainOptions:
         return math.ceil((self.epochs or 1) * steps_per_epoch)
 
     def trackers(self) -> list[str]:
-        """``--report-to`` as a list of names (empty for none)."""
+        """``--report-to`` as a list of names (empty for none), each once."""
         names = [name.strip() for name in self.report_to.split(",") if name.strip()]
-        return [] if names == ["none"] else names
+        return [] if names == ["none"] else list(dict.fromkeys(names))
 
     def run_record(self) -> dict[str, Any]:
         """The options as plain data (paths as strings), without the invocation's own

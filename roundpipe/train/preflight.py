@@ -29,6 +29,7 @@ from .memory_check import check_host_memory
 from .model_checks import check_model, model_config
 from .options import TrainOptions, UsageError
 from .ranks import Ranks
+from .report import plot_available
 from .result import result_complete
 
 DEFAULT_SEQ_LEN = 1024
@@ -37,8 +38,8 @@ REQUIRED_PACKAGES = (
     ("peft", "peft"),
     ("tokenizers", "tokenizers"),
     ("yaml", "pyyaml"),
-    ("matplotlib", "matplotlib"),
 )
+"""matplotlib is not among them: without it the run draws no ``loss.png`` and says so."""
 
 
 @dataclass
@@ -117,6 +118,8 @@ def _prepare(options: TrainOptions, ranks: Ranks) -> Prepared:
     tokenizer = _tokenizer(source, str(options.model))
     apply_chat_template_option(tokenizer, options.chat_template)
     notes: list[str] = []
+    if not plot_available():
+        notes.append(f"loss.png is not drawn: matplotlib is not installed ({install_hint('plot')})")
     images = ImageReader(source.directory, config)
     train_batches, eval_batches = _batches(options, tokenizer, notes, images)
     if ranks.world > 1 and train_batches.images is not None:

@@ -88,8 +88,21 @@ class PendingRows:
         return done
 
 
+def plot_available() -> bool:
+    """Whether matplotlib is installed: without it no ``loss.png`` is drawn (the run
+    says so once, at its start)."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def plot_losses(records: list[dict[str, Any]], path: Path, title: str = "") -> None:
-    """:func:`loss_figure` as a PNG (matplotlib's Agg backend; written atomically)."""
+    """:func:`loss_figure` as a PNG (matplotlib's Agg backend; written atomically); nothing
+    without matplotlib (:func:`plot_available`)."""
+    if not plot_available():
+        return
     import matplotlib
 
     matplotlib.use("Agg")

@@ -12,6 +12,7 @@ ids through ``datasets``, imported only for them, named by row
 from __future__ import annotations
 
 import csv
+import io
 import json
 import re
 from dataclasses import dataclass, replace
@@ -24,6 +25,10 @@ HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?")
 FILE_SUFFIXES = (".jsonl", ".ndjson", ".json", ".csv", ".parquet")
 """Names ending so are files, never hub ids, even when they do not exist."""
 _SPACE = re.compile(r"\s*")
+_FORMAT_OF = {".jsonl": "json", ".ndjson": "json", ".json": "json"}
+"""Suffixes ``datasets`` reads as one format."""
+CSV_FIELD_LIMIT = 2**31 - 1
+"""A CSV cell may hold a long document (the csv module's default limit is 128 KiB)."""
 
 
 class DataError(ValueError):
@@ -129,8 +134,11 @@ def _jsonl(path: Path, text: str) -> Records:
             record = json.loads(line)
         except json.JSONDecodeError as error:
             raise DataError(f"{path}:{number}: not valid JSON: {error}") from error
+        except RecursionError:
+            raise DataError(f"{path}:{number}: not usable JSON: nested too deeply") from None
         if not isinstance(record, dict):
             raise DataError(f"{path}:{number}: expected a JSON object, got {type(record).__name__}")
+        _check_text(record, f"{path}:{number}")
         rows.append(record)
         lines.append(number)
     return _file_records(path, rows, lines, "line")
@@ -150,6 +158,9 @@ def _json_array(path: Path, text: str) -> Records:
             record, end = decoder.raw_decode(text, position)
         except json.JSONDecodeError as error:
             raise DataError(f"{path}:{error.lineno}: not valid JSON: {error}") from error
+        except RecursionError:
+            raise DataError(f"{path}:{line}: not usable JSON: nested too deeply") from None
+        _check_text(record, f"{path}:{line}")
         if not isinstance(record, dict):
             raise DataError(
                 f"{path}:{line} (element {len(rows) + 1}): expected a JSON object, got "
@@ -168,31 +179,50 @@ def _json_array(path: Path, text: str) -> Records:
     return _file_records(path, rows, lines, "element")
 
 
+def _check_text(record: Any, where: str) -> None:
+    """A JSON string escape can make a lone UTF-16 surrogate (``"\\ud800"``), which is
+    no character: no tokenizer can encode it."""
+    try:
+        json.dumps(record, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError as error:
+        bad = error.object[error.start : error.end].encode("unicode_escape").decode()
+        raise DataError(
+            f"{where}: holds {bad}, a lone surrogate escape that is no character; fix the "
+            "record's escapes"
+        ) from None
+    except RecursionError:
+        raise DataError(f"{where}: not usable JSON: nested too deeply") from None
+
+
 def _csv(path: Path) -> Records:
     """A CSV file with a header line; every cell stays a string (a completion ``42`` is
-    text, not a number), and each record is named by the line it starts on."""
+    text, not a number), of any length, and each record is named by the line it starts
+    on. A header naming a column twice is refused (which cell would be the column's?)."""
     rows, lines = [], []
+    text = _text(path)  # names the line of bytes that are not UTF-8
+    csv.field_size_limit(max(csv.field_size_limit(), CSV_FIELD_LIMIT))
     try:
-        with path.open(newline="", encoding="utf-8-sig") as file:
-            reader = csv.reader(file)
-            header, previous = None, 0
-            for cells in reader:
-                start, previous = previous + 1, reader.line_num
-                if not cells:
-                    continue
-                if header is None:
-                    header = cells
-                    continue
-                if len(cells) != len(header):
+        reader = csv.reader(io.StringIO(text, newline=""))
+        header, previous = None, 0
+        for cells in reader:
+            start, previous = previous + 1, reader.line_num
+            if not cells:
+                continue
+            if header is None:
+                header = cells
+                twice = sorted({name for name in cells if cells.count(name) > 1})
+                if twice:
                     raise DataError(
-                        f"{path}:{start}: {len(cells)} fields where the header has {len(header)}"
+                        f"{path}:{start}: the header names the column {twice[0]!r} twice; "
+                        "rename one"
                     )
-                rows.append(dict(zip(header, cells, strict=True)))
-                lines.append(start)
-    except OSError as error:
-        raise DataError(f"cannot read the data file {path}: {error.strerror}") from error
-    except UnicodeDecodeError as error:
-        raise DataError(f"{path}: not UTF-8 text ({error.reason})") from error
+                continue
+            if len(cells) != len(header):
+                raise DataError(
+                    f"{path}:{start}: {len(cells)} fields where the header has {len(header)}"
+                )
+            rows.append(dict(zip(header, cells, strict=True)))
+            lines.append(start)
     except csv.Error as error:
         raise DataError(f"{path}:{reader.line_num}: not valid CSV: {error}") from error
     return _file_records(path, rows, lines, "line")
@@ -222,10 +252,28 @@ def _saved_dataset(path: Path, split: str) -> Records:
 
 def _hub_or_directory(source: str, split: str) -> Records:
     """``datasets.load_dataset(source, split=split)``: a local directory of data files,
-    or a hub dataset id (offline, ``HF_HUB_OFFLINE=1``, from the user's cache)."""
+    or a hub dataset id (offline, ``HF_HUB_OFFLINE=1``, from the user's cache). A
+    directory of data files in several formats is refused: ``datasets`` would read the
+    files of one format and silently leave the others out."""
+    if Path(source).is_dir():
+        _check_one_format(Path(source))
     name = f"{source} (split {split})"
     label = f"{Path(source).name} (split {split})" if Path(source).exists() else name
     return _table(name, label, _load(source, source, split=split))
+
+
+def _check_one_format(directory: Path) -> None:
+    files = sorted(
+        p for p in directory.rglob("*") if p.is_file() and p.suffix.lower() in FILE_SUFFIXES
+    )
+    formats = {_FORMAT_OF.get(p.suffix.lower(), p.suffix.lower()) for p in files}
+    if len(formats) > 1:
+        named = ", ".join(str(p.relative_to(directory)) for p in files[:6])
+        raise DataError(
+            f"{directory} holds data files of {len(formats)} formats ({named}"
+            f"{', ...' if len(files) > 6 else ''}); datasets reads one format per directory "
+            "and would leave the others out: give the files as sources, comma-separated"
+        )
 
 
 def _load(source: str, path: str, **options: Any):

@@ -12,6 +12,7 @@ store, in project ``TRACKIO_PROJECT`` (default ``roundpipe``).
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import os
 from collections.abc import Iterator, Mapping
@@ -22,6 +23,8 @@ from ..errors import install_hint
 from .usage import UsageError
 
 TRACKERS = ("tensorboard", "wandb", "trackio")
+TRACKER_MODULES = {"tensorboard": "torch.utils.tensorboard"}
+"""What each tracker imports (the package's own name where not listed)."""
 RUNS_DIR = "runs"
 PROJECT = "roundpipe"
 _HF_NAMES = {"lr": "learning_rate"}
@@ -34,17 +37,26 @@ class Tracker(Protocol):
 
 
 def check_trackers(names: list[str]) -> None:
-    """Refuse an unknown name, or one whose package is not installed (every process of
-    a torchrun launch checks: this runs before they join, though only rank 0 logs)."""
+    """Refuse an unknown name, then one whose package is not installed, so the answer
+    does not depend on what is installed (every process of a torchrun launch checks:
+    this runs before they join, though only rank 0 logs)."""
     for name in names:
         if name not in TRACKERS:
             raise UsageError(
                 f"--report-to: unknown {name!r}; use none or a comma list of {', '.join(TRACKERS)}"
             )
+    for name in names:
         if importlib.util.find_spec(name) is None:
             raise UsageError(
                 f"--report-to {name}: the {name} package is not installed: {install_hint(name)}"
             )
+        try:
+            importlib.import_module(TRACKER_MODULES.get(name, name))
+        except Exception as error:  # noqa: BLE001 - a broken install, named in one line
+            raise UsageError(
+                f"--report-to {name}: the {name} package is installed but fails to import "
+                f"({type(error).__name__}: {error}); reinstall it: {install_hint(name)}"
+            ) from None
 
 
 def tracked_names(metrics: Mapping[str, Any]) -> Iterator[tuple[str, float]]:
@@ -59,10 +71,14 @@ def tracked_names(metrics: Mapping[str, Any]) -> Iterator[tuple[str, float]]:
 
 
 class TensorBoard:
-    def __init__(self, output: Path) -> None:
+    def __init__(self, output: Path, resumed_from: int = 0) -> None:
+        """``resumed_from``: the step of the checkpoint a resumed run continues from; the
+        points logged after it by the interrupted run are purged (``purge_step``), as
+        they are logged again."""
         from torch.utils.tensorboard import SummaryWriter
 
-        self.writer = SummaryWriter(log_dir=str(Path(output) / RUNS_DIR))
+        purge = resumed_from + 1 if resumed_from else None
+        self.writer = SummaryWriter(log_dir=str(Path(output) / RUNS_DIR), purge_step=purge)
 
     def log(self, step: int, metrics: Mapping[str, Any]) -> None:
         for name, value in tracked_names(metrics):
@@ -132,10 +148,15 @@ class Trackers:
 
 
 def open_trackers(
-    names: list[str], output: Path, config: dict[str, Any], main: bool = True
+    names: list[str],
+    output: Path,
+    config: dict[str, Any],
+    main: bool = True,
+    resumed_from: int = 0,
 ) -> Trackers:
     """The trackers ``names`` (``--report-to``) of a run into ``output`` with the
-    options ``config`` (``run.yaml``'s record); none but on rank 0 (``main``)."""
+    options ``config`` (``run.yaml``'s record); none but on rank 0 (``main``).
+    ``resumed_from``: the checkpoint's step a resumed run starts after."""
     if not main:
         return Trackers([])
     check_trackers(names)
@@ -143,7 +164,7 @@ def open_trackers(
     try:
         for name in names:
             if name == "tensorboard":
-                opened.append(TensorBoard(output))
+                opened.append(TensorBoard(output, resumed_from))
             elif name == "wandb":
                 opened.append(Wandb(output, config))
             else:

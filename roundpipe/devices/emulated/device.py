@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from ...core.program import ACT_UPLOAD, DOWNLOAD, STREAMS, WEIGHT_UPLOAD
+from ...core.op_kinds import StreamName
 from ..base import (
     MAPPED_FILE_ATTR,
     Device,
@@ -76,12 +76,16 @@ class EmulatedDevice(Device):
         self.d2h = CopyEngine(options.d2h_gbps, pool.host_bus)
         self.executor = DeviceExecutor(index, options.jitter_s, pool.span_sink)
         context = StreamContext(index, self.executor.lock, self.executor.put, pool.tickets.next)
-        engines = {WEIGHT_UPLOAD: self.h2d, ACT_UPLOAD: self.h2d, DOWNLOAD: self.d2h}
+        engines = {
+            StreamName.WEIGHT_UPLOAD: self.h2d,
+            StreamName.ACT_UPLOAD: self.h2d,
+            StreamName.DOWNLOAD: self.d2h,
+        }
         self.streams = {
             name: EmulatedStream(
-                context, name, options.seed * 1009 + index * 17 + i, engines.get(name)
+                context, name.value, options.seed * 1009 + index * 17 + i, engines.get(name)
             )
-            for i, name in enumerate(STREAMS)
+            for i, name in enumerate(StreamName)
         }
         for stream in self.streams.values():
             stream.device = self  # the Stream interface's owner; streams never use it

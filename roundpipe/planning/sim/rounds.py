@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ...core import program as P
 from ...core.keys import Activation, HandoffKey, Loss
+from ...core.op_kinds import COMPUTES, OpKind, StreamName
 from ...core.plan import Plan
 from ...core.program import (
     CallShape,
@@ -28,17 +28,19 @@ from . import engine
 from .costs import CostModel
 from .engine import ACT_H2D, COMPUTE, D2H, H2D, OPTIMIZER, Dep, Op, OpArrays
 
-BOOKKEEPING = frozenset({P.TAKE_BUFFERS, P.TAKE_GRADS, P.RELEASE})
-"""Zero-time ops that order the program but are left out of timelines."""
+BOOKKEEPING = frozenset(
+    kind.value for kind in (OpKind.TAKE_BUFFERS, OpKind.TAKE_GRADS, OpKind.RELEASE)
+)
+"""Span kinds of the zero-time ops that order the program but are left out of timelines."""
 
 _STREAMS = {
-    P.WEIGHT_UPLOAD: H2D,
-    P.ACT_UPLOAD: ACT_H2D,
-    P.COMPUTE: COMPUTE,
-    P.DOWNLOAD: D2H,
+    StreamName.WEIGHT_UPLOAD: H2D,
+    StreamName.ACT_UPLOAD: ACT_H2D,
+    StreamName.COMPUTE: COMPUTE,
+    StreamName.DOWNLOAD: D2H,
 }
 _STREAM_NUMBER = {stream: k for k, stream in enumerate(_STREAMS)}
-_H2D_STREAMS = frozenset({P.WEIGHT_UPLOAD, P.ACT_UPLOAD})
+_H2D_STREAMS = frozenset({StreamName.WEIGHT_UPLOAD, StreamName.ACT_UPLOAD})
 
 
 def round_sizes(num_microbatches: int, round_size: int) -> list[int]:
@@ -74,7 +76,7 @@ class _Template:
         self.durations = durations
         ops = program.ops
         self.deps = [
-            tuple((i, ops[i].stream != P.COMPUTE) for i in op.inputs)
+            tuple((i, ops[i].stream is not StreamName.COMPUTE) for i in op.inputs)
             + (((op.host_wait, False),) if op.host_wait is not None else ())
             for op in ops
         ]
@@ -82,7 +84,7 @@ class _Template:
         # weights and activations share the device's host-to-device copy engine;
         # activations go first when both wait (the runtime gates weight chunks)
         self.uploads = [op.stream in _H2D_STREAMS for op in ops]
-        self.priorities = [int(op.stream == P.WEIGHT_UPLOAD) for op in ops]
+        self.priorities = [int(op.stream is StreamName.WEIGHT_UPLOAD) for op in ops]
 
 
 @dataclass
@@ -212,9 +214,9 @@ class Simulation:
                 self._record(op, job, round_id, template, k, g, deps + extra, transfers)
             for handoff in (*op.keys, *op.posts):  # downloads; what compute ops hand over
                 producers[handoff] = g
-            if op.kind in P.COMPUTES:
+            if op.kind in COMPUTES:
                 compute_ops.append(g)
-            elif op.kind == P.DOWNLOAD_GRADS and last:
+            elif op.kind is OpKind.DOWNLOAD_GRADS and last:
                 self._add_optimizer(job, iteration, g)
         if record:
             self._add_memory(template.program, job, index)
@@ -253,20 +255,20 @@ class Simulation:
     def _duration(self, op: DeviceOp, job: Job, chunks: list[int]) -> float:
         costs = self.config.costs
         layers = costs.layers
-        if op.kind == P.UPLOAD_WEIGHTS:
+        if op.kind is OpKind.UPLOAD_WEIGHTS:
             return costs.upload_time(chunks[op.chunk])
-        if op.kind in (P.UPLOAD_INPUT, P.UPLOAD_GRAD):
+        if op.kind in (OpKind.UPLOAD_INPUT, OpKind.UPLOAD_GRAD):
             from_caller = isinstance(op.key, Activation) and op.key.layer == 0
             return 0.0 if from_caller else costs.comm  # a hop: device -> host -> device
-        if op.kind == P.DOWNLOAD_GRADS:
+        if op.kind is OpKind.DOWNLOAD_GRADS:
             return costs.download_time(
                 layers.stage_param_bytes(job.layers) * costs.grad_bytes_ratio
             )
         compute = {
-            P.FORWARD: layers.stage_forward,
-            P.RECOMPUTE: layers.stage_recompute,
-            P.BACKWARD: layers.stage_backward,
-            P.FUSED: lambda r: layers.stage_forward(r) + layers.stage_backward(r),
+            OpKind.FORWARD: layers.stage_forward,
+            OpKind.RECOMPUTE: layers.stage_recompute,
+            OpKind.BACKWARD: layers.stage_backward,
+            OpKind.FUSED: lambda r: layers.stage_forward(r) + layers.stage_backward(r),
         }.get(op.kind)
         return compute(op.layers) if compute is not None else 0.0
 
@@ -277,29 +279,32 @@ class Simulation:
         device = job.device
         weights = layers.stage_param_bytes(job.layers)
         self._memory.append((device, index[0], index[-1], weights))
-        computes = [op for op in program.ops if op.kind in P.COMPUTES]
+        computes = [op for op in program.ops if op.kind in COMPUTES]
         for op in computes:
-            if op.kind == P.FORWARD:
+            if op.kind is OpKind.FORWARD:
                 working = max(layers.activation_bytes[i] for i in op.layers)
                 self._memory.append((device, index[op.index], index[op.index], working))
-            elif op.kind == P.FUSED:
+            elif op.kind is OpKind.FUSED:
                 working = layers.stage_activation_bytes(op.layers)
                 self._memory.append((device, index[op.index], index[op.index], working))
-            elif op.kind == P.BACKWARD:
-                graph = op.inputs[0] if program.ops[op.inputs[0]].kind == P.RECOMPUTE else op.index
+            elif op.kind is OpKind.BACKWARD:
+                graph = (
+                    op.inputs[0] if program.ops[op.inputs[0]].kind is OpKind.RECOMPUTE else op.index
+                )
                 working = layers.stage_activation_bytes(op.layers)
                 self._memory.append((device, index[graph], index[op.index], working))
         if job.kind is not JobKind.FORWARD:
             grads = int(weights * self.config.costs.grad_bytes_ratio)
-            download = next(op for op in program.ops if op.kind == P.DOWNLOAD_GRADS)
+            download = next(op for op in program.ops if op.kind is OpKind.DOWNLOAD_GRADS)
             self._memory.append((device, index[computes[0].index], index[download.index], grads))
 
     def _name(self, op: DeviceOp, job: Job, round_id: int) -> tuple[str, str]:
         """Span kind and label: compute ops by their kind; weight chunks "upload", the
         gradient download "download", other transfers by their program kind."""
-        if op.kind in P.COMPUTES:
-            return op.kind, f"{job} mb{op.microbatch} r{round_id}"
-        kind = {P.UPLOAD_WEIGHTS: "upload", P.DOWNLOAD_GRADS: "download"}.get(op.kind, op.kind)
+        if op.kind in COMPUTES:
+            return op.kind.value, f"{job} mb{op.microbatch} r{round_id}"
+        renamed = {OpKind.UPLOAD_WEIGHTS: "upload", OpKind.DOWNLOAD_GRADS: "download"}
+        kind = renamed.get(op.kind, op.kind.value)
         where = f" mb{op.microbatch}" if op.microbatch is not None else ""
         return kind, f"{job} {op.kind}{where} r{round_id}"
 
