@@ -30,6 +30,7 @@ elif [ $# -gt 0 ]; then
 fi
 PYTEST=("$PY" -m pytest -p no:cacheprovider -o addopts="" -o faulthandler_timeout=120
         -rfEs --tb=short --durations=10 -q)
+CUDA_TESTS=(tests/devices/test_cuda.py tests/devices/test_host_block_pool.py)
 ROWS=()
 STATUS=0
 
@@ -61,12 +62,12 @@ fi
 step versions 30 "$PY" -c "import sys, torch; print('python', sys.version.split()[0], \
 'torch', torch.__version__, 'cuda', torch.version.cuda, 'gpus', torch.cuda.device_count())"
 if [ "$DRY" -eq 1 ]; then
-    step cuda-tests 120 "${PYTEST[@]}" tests/test_cuda.py tests/test_host_block_pool.py
+    step cuda-tests 120 "${PYTEST[@]}" "${CUDA_TESTS[@]}"
     step nf4 60 "$PY" bench/gpu_nf4_check.py --device cpu
     skip probe "it times CUDA kernels against PyTorch on the same GPU"
     skip long-context "it measures a CUDA allocator's peak"
 else
-    step cuda-tests 210 "${PYTEST[@]}" -m cuda tests/test_cuda.py tests/test_host_block_pool.py
+    step cuda-tests 210 "${PYTEST[@]}" -m cuda "${CUDA_TESTS[@]}"
     step nf4 60 "$PY" bench/gpu_nf4_check.py --device cuda:0
     step probe 90 "$PY" bench/gpu_probe.py --devices cuda:0,0,0 --steps 12
     step long-context 120 "$PY" bench/long_context.py --gpu cuda:0 --layers 2 --budget-gib 24

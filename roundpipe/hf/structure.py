@@ -32,7 +32,7 @@ PACKING_REFUSED = {
     "loss); pass one example per row (without packing)",
 }
 """Model types whose packed sequences are not their examples apart, though their layers
-attend under a mask (measured: tests/test_hf_architecture_features.py)."""
+attend under a mask (measured: tests/hf/test_hf_architecture_features.py)."""
 
 
 class UnsupportedModel(ValueError):

@@ -7,7 +7,7 @@ requantizes them by table (:mod:`roundpipe.optim.quant8`) and updates the parame
 pass over memory, where inductor's kernel for the same step makes three. Each line is an
 fp32 operation of torchao's step in the order inductor emits it, compiled without
 contraction into fused multiply-adds or fast-math, so the results equal torchao's bit
-for bit (``tests/test_lean_optimizers.py`` checks). ``ctypes`` releases the GIL for the
+for bit (``tests/optim/test_lean_optimizers.py`` checks). ``ctypes`` releases the GIL for the
 call; OpenMP spreads the blocks over ``torch.get_num_threads()`` threads.
 
 The shared object is cached per source and machine under ``~/.cache/roundpipe``; where

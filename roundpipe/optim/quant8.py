@@ -15,7 +15,7 @@ as torchao computes it (see :func:`thresholds`). Here that count is read from tw
 tables indexed by ``x``'s bf16 bucket (sign, exponent, top 7 mantissa bits): the code at
 the bucket's low end and the one threshold inside the bucket (the map's values are far
 enough apart that no bucket holds two; :func:`tables` checks). Two lookups instead of
-ten, and the same codes, bit for bit: ``tests/test_lean_optimizers.py`` compares them
+ten, and the same codes, bit for bit: ``tests/optim/test_lean_optimizers.py`` compares them
 with torchao's own quantizer on every threshold's neighbours and on random values.
 
 The step itself runs in the C kernel of :mod:`roundpipe.optim._kernel` (one pass over

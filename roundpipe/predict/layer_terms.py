@@ -112,7 +112,7 @@ def tiled_layer_bytes(
     tiled in chunks of ``chunk`` tokens (docs/design.md#long-context), besides its
     weights and gradients: what grows with the sequence, per token, plus one chunk's
     working set. Measured on the emulated device for attention layers
-    (tests/test_long_context.py).
+    (tests/hf/test_long_context.py).
 
     At the peak (the mixer's backward): the saved input, the incoming gradient, the
     first norm's output, the two residual sums, the next backward job's saved input

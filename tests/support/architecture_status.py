@@ -1,6 +1,6 @@
 """What the architecture tests expect of each architecture, and the README's table of it.
 
-The lists here are the expectations ``tests/test_hf_architecture*.py`` check (an entry
+The lists here are the expectations ``tests/hf/test_hf_architecture*.py`` check (an entry
 that stopped being true fails a test); :func:`readme_table` renders them as the
 README's supported-architectures table, which ``test_readme_architecture_table``
 keeps equal to this rendering (``python bench/model_breadth.py --readme`` prints it).

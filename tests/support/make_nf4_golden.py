@@ -2,7 +2,7 @@
 
 Needs bitsandbytes (``pip install 'roundpipe-ft[qlora]'``), which the test suite's
 environment does not install (it costs every process that builds a peft model ~3 s of
-import). ``tests/test_nf4_format.py`` compares ``roundpipe.hf.nf4_format`` with these
+import). ``tests/hf/test_nf4_format.py`` compares ``roundpipe.hf.nf4_format`` with these
 bytes everywhere, and with bitsandbytes itself where it is installed.
 
     .venv/bin/python tests/support/make_nf4_golden.py
@@ -19,7 +19,7 @@ from safetensors.torch import save_file
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
-from test_nf4_format import DTYPES, SHAPES, bnb_nf4, extreme_weight, weights  # noqa: E402
+from support.nf4_cases import DTYPES, SHAPES, bnb_nf4, extreme_weight, weights  # noqa: E402
 
 OUT = HERE.parent / "golden" / "nf4_bitsandbytes.safetensors"
 

@@ -194,7 +194,7 @@ def overlap(rank: int, *, delay_s: float, kernel_s: float, is_async: bool, steps
 def hf_batch(step: int):
     """A global batch of 4 rows; the second half has most labels ignored, so the
     ranks' label-token counts differ."""
-    from test_hf_from_hf import VOCAB
+    from support.hf_families import VOCAB
 
     generator = torch.Generator().manual_seed(100 + step)
     ids = torch.randint(0, VOCAB, (4, 8), generator=generator)
@@ -206,7 +206,7 @@ def hf_batch(step: int):
 
 def hf(rank: int, *, steps: int = 2, save_to: str | None = None, **_: object) -> dict:
     """Train the tiny tied-embedding Qwen3 of the HF tests on this rank's rows."""
-    from test_hf_from_hf import build
+    from support.hf_families import build
 
     world = dist.get_world_size()
     pipe = roundpipe.from_hf(

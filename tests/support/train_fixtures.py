@@ -43,19 +43,32 @@ def build_tokenizer():
     )
 
 
+TINY_QWEN3 = dict(
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+)
+"""The sizes of the train tests' Qwen3: hidden 32, 2 layers, 4 heads of 8, 2 KV heads."""
+
+
+def tiny_qwen3_config(vocab_size: int, **fields):
+    """A ``Qwen3Config`` of :data:`TINY_QWEN3` for a vocabulary of ``vocab_size``;
+    ``fields`` set other config fields or change a size."""
+    import transformers
+
+    return transformers.Qwen3Config(vocab_size=vocab_size, **{**TINY_QWEN3, **fields})
+
+
 def build_model_dir(directory: Path, seed: int = 0, with_tokenizer: bool = True) -> Path:
     """A randomly initialised fp32 Qwen3 (hidden 32, 2 layers) saved with its tokenizer."""
     import transformers
 
     tokenizer = build_tokenizer()
-    config = transformers.Qwen3Config(
-        vocab_size=len(tokenizer),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
+    config = tiny_qwen3_config(
+        len(tokenizer),
         max_position_embeddings=MAX_POSITIONS,
         tie_word_embeddings=False,
         attn_implementation="sdpa",

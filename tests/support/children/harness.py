@@ -8,6 +8,7 @@ Nothing here uses pytest, so a child process can run the same checks.
 from __future__ import annotations
 
 import atexit
+import json
 import os
 import subprocess
 import sys
@@ -235,3 +236,16 @@ def run_forked(
         note = f"(killed: no exit within {limit_s:.0f} s)" if code["killed"] else ""
         results.append((code["returncode"], stdout, stderr, note))
     return results
+
+
+def run_child(args: list[str], limit_s: float) -> dict:
+    """Run ``python ARGS`` as a child script for at most ``limit_s`` seconds: the JSON line
+    it printed last."""
+    return child_result(*finish_child(start_child(args), limit_s), args[0])
+
+
+def child_result(stdout: str, stderr: str, killed: str, what: str) -> dict:
+    """The JSON line a child printed last (fails with its stderr if there is none)."""
+    lines = stdout.strip().splitlines()
+    assert lines and not killed, f"{what} failed {killed}\n{stderr[-3000:]}"
+    return json.loads(lines[-1])
