@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import traceback
+from collections.abc import Iterator
 
 import torch
 
@@ -19,6 +20,16 @@ _BYTE_UNITS = ("KiB", "MiB", "GiB", "TiB", "PiB")
 DISTRIBUTION = "roundpipe-ft"
 """Our name on the package index: ``roundpipe`` there is the RoundPipe paper authors'
 library, another API, which installs the same ``roundpipe`` import package."""
+
+
+def error_chain(error: BaseException | None) -> Iterator[BaseException]:
+    """``error``, then the errors it was raised from or while handling (``__cause__``,
+    else ``__context__``), each once."""
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        yield error
+        error = error.__cause__ or error.__context__
 
 
 def install_hint(extra: str) -> str:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import warnings
+from typing import Any
 
 import torch
 
@@ -37,6 +38,7 @@ __all__ = [
     "SpanRecord",
     "Stream",
     "Timer",
+    "device_count",
     "make_pool",
 ]
 
@@ -53,23 +55,36 @@ def make_pool(
         spec = _default_spec()
     if not isinstance(spec, str):
         raise TypeError(f"devices must be a spec string or a DevicePool, got {type(spec).__name__}")
+    kind, named = _parsed(spec)
+    if kind == "emulated":
+        return EmulatedDevicePool(named, emulated_options)
+    from .cuda import CudaDevicePool  # imported lazily: touches CUDA
+
+    if not torch.cuda.is_available():
+        raise RuntimeError(
+            f"device spec {spec!r} asks for CUDA, but torch.cuda is not available here; "
+            "use 'emulated:N' to run on the CPU"
+        )
+    return CudaDevicePool(named if named is not None else list(range(torch.cuda.device_count())))
+
+
+def device_count(spec: str) -> int:
+    """How many devices the spec string ``spec`` names (``"cuda"``: every GPU torch
+    sees), checked as :func:`make_pool` checks it, without building a pool."""
+    kind, named = _parsed(spec)
+    if kind == "emulated":
+        return named
+    return torch.cuda.device_count() if named is None else len(named)
+
+
+def _parsed(spec: str) -> tuple[str, Any]:
+    """``("emulated", N)`` or ``("cuda", indices or None)`` for the spec string ``spec``."""
     kind, colon, rest = spec.strip().partition(":")
     kind = kind.strip()
     if kind == "emulated":
-        count = _emulated_count(spec, rest if colon else None)
-        return EmulatedDevicePool(count, emulated_options)
+        return kind, _emulated_count(spec, rest if colon else None)
     if kind == "cuda":
-        indices = _cuda_indices(spec, rest if colon else None)
-        from .cuda import CudaDevicePool  # imported lazily: touches CUDA
-
-        if not torch.cuda.is_available():
-            raise RuntimeError(
-                f"device spec {spec!r} asks for CUDA, but torch.cuda is not available here; "
-                "use 'emulated:N' to run on the CPU"
-            )
-        return CudaDevicePool(
-            indices if indices is not None else list(range(torch.cuda.device_count()))
-        )
+        return kind, _cuda_indices(spec, rest if colon else None)
     raise ValueError(f"unknown device spec {spec!r}: use 'cuda', 'cuda:0,2' or 'emulated:N'")
 
 

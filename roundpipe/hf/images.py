@@ -49,11 +49,15 @@ class ImageLayout:
             return ("pixel_values", "image_grid_thw", "mm_token_type_ids")
         return ("pixel_values", "token_type_ids")
 
+    def grid_tokens(self, patches: int) -> int:
+        """Qwen-VL: the image tokens an image of ``patches`` patches (``t*h*w``) stands for."""
+        return patches // self.merge
+
     def image_sizes(self, batch: dict) -> tuple[list[int], list[int]]:
         """Per image: the image tokens it stands for, and its entries in ``pixel_values``."""
         if self.tokens_per_image is None:
             patches = [int(n) for n in batch["image_grid_thw"].prod(dim=-1)]
-            return [n // self.merge for n in patches], patches
+            return [self.grid_tokens(n) for n in patches], patches
         count = batch["pixel_values"].shape[0]
         return [self.tokens_per_image] * count, [1] * count
 

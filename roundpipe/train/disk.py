@@ -12,6 +12,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from ..errors import error_chain
+
 SMALL_FILE = 4096  # a small file takes a block of the filesystem
 _FULL = (errno.ENOSPC, errno.EDQUOT)
 _REPORTED = re.compile(rf"os error ({'|'.join(map(str, _FULL))})\b")  # safetensors' words
@@ -30,24 +32,23 @@ def writing(path: Path, needed: int, then: str) -> Iterator[None]:
     except Exception as error:
         if not disk_full(error):
             raise
-        free = shutil.disk_usage(_existing(Path(path))).free
         raise NoSpace(
             f"no space left for {path}: it needs about {_size(needed)} and "
-            f"{_size(free)} are free there; free some space, then {then}"
+            f"{free_space(path)} are free there; free some space, then {then}"
         ) from error
 
 
 def disk_full(error: BaseException) -> bool:
     """Whether ``error``, or an error it was raised from, is a full disk or quota."""
-    seen: set[int] = set()
-    while error is not None and id(error) not in seen:
-        seen.add(id(error))
-        if isinstance(error, OSError) and error.errno in _FULL:
-            return True
-        if _REPORTED.search(str(error)):
-            return True
-        error = error.__cause__ or error.__context__
-    return False
+    return any(
+        (isinstance(each, OSError) and each.errno in _FULL) or _REPORTED.search(str(each))
+        for each in error_chain(error)
+    )
+
+
+def free_space(path: Path) -> str:
+    """The free space of the filesystem ``path`` is (or would be) on, in words."""
+    return _size(shutil.disk_usage(_existing(Path(path))).free)
 
 
 def _existing(path: Path) -> Path:

@@ -21,8 +21,8 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
-from ..errors import one_line_usage_errors
-from .disk import disk_full
+from ..errors import error_chain, one_line_usage_errors
+from .disk import disk_full, free_space
 from .options import OPTIONS, PRECISIONS, TrainOptions, UsageError
 
 DESCRIPTION = """\
@@ -90,16 +90,11 @@ def _write_failure(error: BaseException, output: Path) -> str | None:
     a full disk or quota, the file-size limit (``ulimit -f``), or another export that
     wrote ``output`` meanwhile; ``None`` for any other error."""
     if disk_full(error):
-        free = shutil.disk_usage(output.parent if output.parent.exists() else Path.cwd()).free
         return (
-            f"no space left to write {output} ({free / 1e9:.3g} GB free there); nothing "
+            f"no space left to write {output} ({free_space(output)} free there); nothing "
             "was written: free some space and export again"
         )
-    chain = []
-    while error is not None and error not in chain:
-        chain.append(error)
-        error = error.__cause__ or error.__context__
-    for each in chain:
+    for each in error_chain(error):
         if isinstance(each, OSError) and each.errno == errno.EFBIG or "os error 27" in str(each):
             return (
                 f"a file of {output} would exceed the file-size limit (ulimit -f); nothing "

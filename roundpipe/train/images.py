@@ -16,6 +16,7 @@ through the Python API.
 from __future__ import annotations
 
 import io
+import math
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -96,7 +97,7 @@ class ImageReader:
                 out_ids.append(i)
                 out_labels.append(label)
                 continue
-            count = _product(grids[image]) // self.layout.merge
+            count = self.layout.grid_tokens(math.prod(grids[image]))
             out_ids += [token] * count
             out_labels += [IGNORE_INDEX] * count
             image += 1
@@ -170,8 +171,3 @@ def _is_pil(image: Any) -> bool:
     except ImportError:  # pragma: no cover - transformers' image processors need it
         return False
     return isinstance(image, Image.Image)
-
-
-def _product(grid: Grid) -> int:
-    t, h, w = grid
-    return t * h * w

@@ -25,6 +25,8 @@ from pathlib import Path
 from typing import Any
 
 from ..core.config import RoundPipeRunConfig
+from ..devices import device_count
+from ..errors import error_chain
 from ..predict.breakdown import MemoryFit
 from ..predict.gpus import GIB, GPU_PRESETS, PRECISIONS
 from ..predict.host_memory import usable_ram
@@ -61,8 +63,8 @@ def check_host_memory(options: TrainOptions, config: Any, world: int) -> None:
         spec = ModelSpec.from_config(config)
     except ValueError:  # a layer kind or feature the predictor does not price
         return
-    work = run_workload(options, world)
-    devices = _device_count(options.devices)
+    devices = device_count(options.devices)
+    work = run_workload(options, world, devices)
     memory = memory_fit(spec, PRICED_GPU, work, devices, room.bytes)
     budget = memory.host_budget
     if budget is None or memory.host_fits:
@@ -76,13 +78,13 @@ def check_host_memory(options: TrainOptions, config: Any, world: int) -> None:
     )
 
 
-def run_workload(options: TrainOptions, world: int) -> Workload:
-    """What one process of the run holds, as ``simulate`` prices it: its share of the
-    batch in ``--microbatches`` (default devices + 1), all of them one call per step,
-    the masters and optimizer state split over ``world`` processes."""
+def run_workload(options: TrainOptions, world: int, devices: int) -> Workload:
+    """What one process of the run on ``devices`` devices holds, as ``simulate`` prices
+    it: its share of the batch in ``--microbatches`` (default devices + 1), all of them
+    one call per step, the masters and optimizer state split over ``world`` processes."""
     rows = max(options.batch_size // world, 1)
     run_config = RoundPipeRunConfig(num_microbatch=options.microbatches)
-    count = run_config.microbatches_for(_device_count(options.devices), rows)
+    count = run_config.microbatches_for(devices, rows)
     states, masters = optimizer_settings(options)
     quantize = None if options.quantize == "none" else options.quantize
     fp32 = options.precision not in PRECISIONS
@@ -100,18 +102,6 @@ def run_workload(options: TrainOptions, world: int) -> Workload:
         weight_bytes=4 if fp32 else 2,
         greedy_plan=True,
     )
-
-
-def _device_count(spec: str) -> int:
-    """How many devices ``--devices`` (checked) names."""
-    kind, _, rest = spec.replace(" ", "").partition(":")
-    if kind == "emulated":
-        return int(rest)
-    if rest:
-        return len(rest.split(","))
-    import torch
-
-    return torch.cuda.device_count()
 
 
 def _fixes(
@@ -177,12 +167,9 @@ def reporting_host_memory(newest: Callable[[], tuple[int, Path] | None]) -> Iter
 
 def host_memory_exhausted(error: BaseException) -> BaseException | None:
     """The error in ``error``'s chain that says the host ran out of memory, if any."""
-    seen: set[int] = set()
-    while error is not None and id(error) not in seen:
-        seen.add(id(error))
-        if isinstance(error, MemoryError) or _CPU_ALLOCATOR.search(str(error)):
-            return error
-        error = error.__cause__ or error.__context__
+    for each in error_chain(error):
+        if isinstance(each, MemoryError) or _CPU_ALLOCATOR.search(str(each)):
+            return each
     return None
 
 
