@@ -61,16 +61,17 @@ class HFRoundPipe(RoundPipe):
         On several nodes it is collective: every node holds the whole model, rank 0
         writes it, and every rank returns once it is written (or raises if it failed)."""
         self.synchronize()
-        if self._node is None:
+        node = self.node
+        if node is None:
             self.hf_model.save_pretrained(path, **kwargs)
             return
         error = None
-        if self._node.rank == 0:
+        if node.rank == 0:
             try:
                 self.hf_model.save_pretrained(path, **kwargs)
             except Exception as exc:  # noqa: BLE001 - raised after the others know
                 error = exc
-        rows = self._node.comm.gather_ints([error is not None], "save_pretrained")
+        rows = node.comm.gather_ints([error is not None], "save_pretrained")
         if error is not None:
             raise error
         if rows[0][0]:
@@ -108,10 +109,10 @@ class HFRoundPipe(RoundPipe):
     def _global_label_tokens(self, labels: torch.Tensor) -> int:
         """The label tokens of the batch; on several nodes, of every node's batch (the
         loss is the mean over the global batch's label tokens)."""
-        if self._node is None:
+        if self.node is None:
             return _label_tokens(labels)
         local = int((labels[:, 1:] != IGNORE_INDEX).sum())
-        count = self._node.sum_over_nodes(local, "the label-token count")
+        count = self.node.sum_over_nodes(local, "the label-token count")
         if count == 0:
             _label_tokens(labels)  # raises, on every rank
         return count
@@ -129,7 +130,7 @@ class HFRoundPipe(RoundPipe):
             merge_output=lambda totals: torch.stack([t.float() for t in totals]).sum(),
         )
         with torch.no_grad():
-            return self._forward((), batch, config) / count
+            return self.runtime.forward((), batch, config) / count
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """``pipe(input_ids=..., attention_mask=...)``: the logits, as the model returns them.
@@ -152,12 +153,12 @@ class HFRoundPipe(RoundPipe):
             with_images or self.run_config,
             num_microbatch=self.run_config.microbatches_for(len(self.pool), rows),
         )
-        return self._forward((), batch, config)
+        return self.runtime.forward((), batch, config)
 
     def _with_images(self, batch: dict, run_config: RoundPipeRunConfig | None):
         """The run config that cuts a batch with images into microbatches with their
         rows (:func:`.images.split_with_images`), or ``run_config`` for a text batch."""
-        if "pixel_values" not in batch:
+        if "pixel_values" not in batch or self.image_layout is None:
             return run_config
         return replace(
             run_config or self.run_config, split_input=split_with_images(self.image_layout)
@@ -282,7 +283,7 @@ def from_hf(model, **options) -> HFRoundPipe:
     refusal = adapted_head_refusal(causal_lm)
     if refusal is not None:
         raise ValueError(refusal)
-    pipe = HFRoundPipe(model_layers(causal_lm), _names_from=model, **options)
+    pipe = HFRoundPipe(model_layers(causal_lm), names_from=model, **options)
     pipe.max_positions = _max_positions(causal_lm.config)
     pipe.packing_refusal = packing_refusal(causal_lm)
     pipe.tiles = own_adapter(causal_lm) is not None

@@ -20,9 +20,10 @@ from ..cluster.comm import PeerFailure
 from . import checkpoint_files as files
 from . import checkpoint_swap as swap
 from .checkpoint_swap import existing_checkpoint
+from .parts import PipeParts
 
 
-class Checkpoints:
+class Checkpoints(PipeParts):
     """``save_checkpoint`` / ``load_checkpoint`` of :class:`~roundpipe.RoundPipe`."""
 
     def save_checkpoint(
@@ -33,11 +34,9 @@ class Checkpoints:
         ``lr_scheduler`` and ``grad_scaler``, the RNG states, and ``extra`` (anything
         JSON can hold, e.g. the data position). All or nothing (see
         :mod:`roundpipe.model.checkpoint`)."""
-        with self._session.enter("save_checkpoint") as session:
-            session.check_open()
-            session.synchronize()
+        with self.runtime.drained("save_checkpoint"):
             live = self._live_state()
-            ranks = _Ranks.of(self._node)
+            ranks = _Ranks.of(self.node)
             save(ranks, _absolute(path), live, optimizer, lr_scheduler, grad_scaler, extra)
 
     def load_checkpoint(self, path, optimizer=None, lr_scheduler=None, grad_scaler=None) -> Any:
@@ -45,20 +44,16 @@ class Checkpoints:
         scheduler and scaler, built as when it was saved); returns its ``extra``. The run
         continues exactly as the saved one would have. A checkpoint that does not fit
         is refused before anything changes."""
-        with self._session.enter("load_checkpoint") as session:
-            session.check_open()
-            session.synchronize()
-            live, ranks = self._live_state(), _Ranks.of(self._node)
+        with self.runtime.drained("load_checkpoint"):
+            live, ranks = self._live_state(), _Ranks.of(self.node)
             staged = load(ranks, _absolute(path), live, optimizer, lr_scheduler, grad_scaler)
             files.put(staged, live)
-            session.synchronize()  # adopts the written weights (the masters take them) ...
-            live.store.restore_masters(staged.masters)  # ... then their full precision
-            session.make_current()  # .grad shows the restored gradients
+            self.runtime.adopt_written(staged.masters)  # the weights, then the masters' bits
         return staged.extra
 
     def _live_state(self) -> files.LiveState:
         buffers = list(self.model.named_buffers())
-        return files.LiveState(self._session.store, self.pool, buffers, self._seeds)
+        return files.LiveState(self.runtime.store, self.pool, buffers, self.runtime.seeds)
 
 
 def _absolute(path) -> Path:
@@ -89,7 +84,8 @@ class _Ranks:
         return None if self.comm is None else {"rank": self.rank, "world": self.world}
 
     def place(self, path: Path) -> Path:
-        return path if self.comm is None else shard_path(path, self.shard)
+        shard = self.shard
+        return path if shard is None else shard_path(path, shard)
 
     def gather(self, values: list[int], what: str) -> list[list[int]]:
         return [values] if self.comm is None else self.comm.gather_ints(values, what)

@@ -299,7 +299,7 @@ def _check(file: Path, got: dict, want: dict, optional: dict | None = None) -> N
             "is not a checkpoint of this model"
         )
     for key, tensor in got.items():
-        like = want.get(key, optional.get(key))
+        like = want[key] if key in want else optional[key]
         if tensor.shape != like.shape or tensor.dtype != like.dtype:
             raise ValueError(
                 f"{file}: {key} is {_kind(tensor)} there but {_kind(like)} here; shapes "

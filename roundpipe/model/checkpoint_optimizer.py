@@ -59,7 +59,8 @@ def split(optimizer) -> tuple[dict[str, torch.Tensor], dict]:
                 shaped[name] = param is not None and value.dim() > 0 and value.shape == param.shape
             else:
                 scalars.setdefault(str(index), {})[key] = value
-    groups, in_groups = [], []
+    groups: list[dict] = []
+    in_groups: list[str] = []
     for g, group in enumerate(state["param_groups"]):
         groups.append({})
         for key, value in group.items():
@@ -166,7 +167,7 @@ def _flatten(name: str, value: torch.Tensor, tensors: dict[str, torch.Tensor]) -
     """Put the inner tensors of the subclass ``value`` into ``tensors``; its record."""
     if _class_name(value) not in SUBCLASSES:
         raise TypeError(_refusal(f"state {name!r}", value))
-    inner, context = value.__tensor_flatten__()
+    inner, context = value.__tensor_flatten__()  # type: ignore[attr-defined]  # a subclass's
     for attr in inner:
         part = getattr(value, attr)
         if type(part) not in _PLAIN:

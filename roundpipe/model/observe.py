@@ -6,11 +6,12 @@ from __future__ import annotations
 import time
 
 from ..core.timeline import HOST, Span, Timeline
+from .parts import PipeParts
 
 
-class Observation:
+class Observation(PipeParts):
     """Timelines and device memory of a :class:`~roundpipe.RoundPipe` (a mixin: it
-    reads the model's ``pool``, ``_node`` and ``synchronize``)."""
+    reads the model's ``pool``, ``node`` and ``synchronize``)."""
 
     # -- timelines ------------------------------------------------------------------------
 
@@ -18,8 +19,8 @@ class Observation:
         """Record every executed device op from now on (see :meth:`timeline`)."""
         self.synchronize()
         self.pool.start_recording()
-        if self._node is not None:
-            self._node.comm.spans = []
+        if self.node is not None:
+            self.node.comm.spans = []
         self._timeline_origin = time.perf_counter()
 
     def timeline(self) -> Timeline:
@@ -32,8 +33,8 @@ class Observation:
         self.synchronize()
         origin = getattr(self, "_timeline_origin", 0.0)
         timeline = Timeline.from_records(self.pool.spans(), origin)
-        if self._node is not None:
-            for what, start, end in list(self._node.comm.spans or ()):
+        if self.node is not None:
+            for what, start, end in list(self.node.comm.spans or ()):
                 timeline.add(Span(HOST, "network", "comm", what, start - origin, end - origin))
         return timeline
 

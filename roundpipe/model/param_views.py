@@ -11,8 +11,10 @@ import torch
 import torch.distributed
 from torch import nn
 
+from .parts import PipeParts
 
-class ParameterViews:
+
+class ParameterViews(PipeParts):
     """``optim_parameters()`` and friends of :class:`~roundpipe.RoundPipe`.
 
     On several nodes each node's masters are its share of the model's trainable
@@ -22,11 +24,11 @@ class ParameterViews:
 
     def optim_parameters(self) -> Iterator[nn.Parameter]:
         """The master (optimizer) parameters; build your optimizer over these."""
-        for _, master in self._session.store.masters():
+        for _, master in self.runtime.masters():
             yield master
 
     def optim_named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
-        yield from self._session.store.masters()
+        yield from self.runtime.masters()
 
     @contextlib.contextmanager
     def optimizer_ctx(self) -> Iterator[None]:
@@ -55,9 +57,9 @@ class ParameterViews:
     def _masters_meant(self) -> bool:
         if self._optimizer_view:
             return True
-        if not self._session.optimizer.is_current():
+        if not self.runtime.in_step_fn():
             return False
-        if self._node is not None:
+        if self.runtime.node is not None:
             raise RuntimeError(
                 "inside step_fn on several nodes, pipe.parameters() would be this node's "
                 "share of the master parameters, and a gradient norm over them "
@@ -74,16 +76,7 @@ class ParameterViews:
         once. With ``set_to_none=False`` the gradients become zeros instead of ``None``
         (an Adam step then still moves the weights, as in PyTorch). On several nodes
         every rank calls it."""
-        session = self._session
-        if session.optimizer.is_current():
-            self._session.store.discard_grads(set_to_none)
-            return
-        with session.enter("zero_grad"):
-            session.check_open()
-            error = session.recover(None)
-            self._session.store.discard_grads(set_to_none)
-            self.model.zero_grad(set_to_none)  # the copies synchronize() showed
-            session.fail_if(error)
+        self.runtime.zero_grad(set_to_none)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Inside ``step_fn``: scale the masters' gradients so that their norm over the
@@ -94,11 +87,12 @@ class ParameterViews:
             raise ValueError(f"max_norm must be a positive number, got {max_norm!r}")
         if norm_type not in (2, 2.0, math.inf):
             raise ValueError(f"norm_type must be 2.0 or math.inf, got {norm_type!r}")
-        if self._node is None:
+        node = self.node
+        if node is None:
             return torch.nn.utils.clip_grad_norm_(
                 list(self.optim_parameters()), max_norm, norm_type
             )
-        if not self._session.optimizer.is_current():
+        if not self.runtime.in_step_fn():
             raise RuntimeError(
                 "clip_grad_norm_ across nodes is a collective of the optimizer thread: call "
                 "it inside step_fn (pipe.step(lambda: (pipe.clip_grad_norm_(1.0), ...)))"
@@ -107,12 +101,12 @@ class ParameterViews:
         if norm_type == math.inf:
             local = max((float(g.abs().max()) for g in grads), default=0.0)
             total = torch.tensor([local], dtype=torch.float64)
-            self._node.all_reduce(total, torch.distributed.ReduceOp.MAX)
+            node.all_reduce(total, torch.distributed.ReduceOp.MAX)
             norm = total[0]
         else:
             local = sum(float(g.double().pow(2).sum()) for g in grads)
             total = torch.tensor([local], dtype=torch.float64)
-            self._node.all_reduce(total, torch.distributed.ReduceOp.SUM)
+            node.all_reduce(total, torch.distributed.ReduceOp.SUM)
             norm = total[0].sqrt()
         scale = max_norm / (float(norm) + 1e-6)
         if scale < 1:

@@ -1,5 +1,9 @@
 """The runtime: executes lowered schedules on a device pool, keeps the training state.
 
+Internal: users import from :mod:`roundpipe`; these modules are not a stable API.
+``calls`` holds :class:`~.calls.Runtime`, the call owner a ``RoundPipe`` makes one
+call of per public method (docs/design.md#following-a-call).
+
 One call's threads (caller, prefetch, issue, completer, optimizer) and a device's
 streams (weight and activation uploads, compute, download) are drawn in
 docs/design.md#threads-and-streams-of-a-call.
@@ -14,8 +18,9 @@ The caller's side:
 The device side:
 
 - ``worker``: a device's prefetch, issue and completer threads; ``context``: the frozen
-  job context they hand down; ``prefetch``, ``issuer`` and ``stage_compute``: a job's
-  weight uploads, device ops and layer code; ``transfer``: pytrees between host and
+  job context they hand down; ``op_table``: which thread issues each op kind;
+  ``prefetch``, ``issuer`` and ``stage_compute``: a job's weight uploads, device ops and
+  layer code; ``transfer``: pytrees between host and
   device; ``layers``: meta-device shells bound to device tensors; ``sync``: handoffs,
   gates and latches between threads.
 

@@ -63,7 +63,7 @@ class BackwardSteps:
         cannot: several nodes or a GradScaler (the gradients are reduced across nodes,
         and checked for infs, at a step). Two ``model(x)`` outputs before a backward need
         nothing here: the first backward steps, and the other's is refused as after any
-        step (``deferred.check_backward_allowed``)."""
+        step (``Ledger.check_backward``)."""
         if not self.active():
             return False
         if several_nodes or (grad_scaler is not None and grad_scaler.is_enabled()):
@@ -112,6 +112,7 @@ class BackwardSteps:
             arrivals.running += len(complete)
         for uid in complete:  # outside the count's lock: a hook runs an optimizer step
             master = self._store.entries[uid].master
+            assert master is not None, "a post-accumulate hook of a master that is not here"
             with self._hooks_running:
                 for hook in post_accumulate_hooks(master):
                     hook(master)

@@ -44,6 +44,24 @@ class AutocastState:
         return torch.autocast(self.device_type, dtype=self.dtype, enabled=self.enabled)
 
 
+@dataclass(frozen=True)
+class CallRequest:
+    """One call as its caller asks for it: what runs (``schedule`` and ``config``), on
+    which microbatches (``inputs``: ``(args, kwargs)`` each, ``labels``: one each or
+    None), with which loss, and the caller's autocast and the call's seed."""
+
+    schedule: Schedule
+    config: RoundPipeRunConfig
+    inputs: list[tuple[tuple, dict]]
+    labels: list[Any] | None
+    loss_fn: Callable[..., torch.Tensor] | None
+    return_outputs: bool
+    autocast: AutocastState
+    rng_seed: int
+    loss_weights: tuple[float, ...] | None = None
+    """What each microbatch's ``loss_fn`` value is multiplied by (``scale_grads``)."""
+
+
 @dataclass(frozen=True, eq=False)
 class Call:
     """One ``forward_backward`` (or ``model(x)``) call: what it runs, on what, reading
@@ -81,46 +99,42 @@ class Call:
     mailbox: Mailbox = field(default_factory=Mailbox)
     latch: Latch = field(init=False)
     shape: CallShape = field(init=False)
+    _claims: set[int] = field(init=False, repr=False)
+    """Job indices (and ``_BACKWARD``) someone started (:meth:`claim`)."""
+    _claim_lock: threading.Lock = field(init=False, repr=False)
 
     @classmethod
     def start(
         cls,
-        schedule: Schedule,
-        config: RoundPipeRunConfig,
-        inputs: list[tuple[tuple, dict]],
-        labels: list[Any] | None,
+        request: CallRequest,
         versions: VersionState,
         *,
         seq: int,
         rewrites_before: int,
         layer_changes_before: int,
-        autocast: AutocastState,
-        loss_fn: Callable[..., torch.Tensor] | None,
-        return_outputs: bool,
-        rng_seed: int,
-        loss_weights: tuple[float, ...] | None = None,
     ) -> Call:
-        """A call of ``schedule`` run with ``config`` on ``inputs``, reading the weights
-        ``versions`` says new calls read; its inputs are posted for the first jobs."""
+        """The call ``request`` asks for, reading the weights ``versions`` says new calls
+        read (``seq`` and the counts: the session's, :class:`~.ledger.Ledger`); its
+        inputs are posted for the first jobs."""
         call = cls(
-            schedule=schedule,
-            config=config,
-            num_microbatches=len(inputs),
+            schedule=request.schedule,
+            config=request.config,
+            num_microbatches=len(request.inputs),
             weights_version=versions.read,
             weights_buffer=versions.home_of(versions.read),
-            autocast=autocast,
-            loss_fn=loss_fn,
-            labels=labels,
-            return_outputs=return_outputs,
+            autocast=request.autocast,
+            loss_fn=request.loss_fn,
+            labels=request.labels,
+            return_outputs=request.return_outputs,
             seq=seq,
             steps_before=versions.newest,
             rewrites_before=rewrites_before,
             layer_changes_before=layer_changes_before,
-            forward_only=loss_fn is None and not schedule.backward_jobs,
-            rng_seed=rng_seed,
-            loss_weights=loss_weights,
+            forward_only=request.loss_fn is None and not request.schedule.backward_jobs,
+            rng_seed=request.rng_seed,
+            loss_weights=request.loss_weights,
         )
-        for m, (args, kwargs) in enumerate(inputs):
+        for m, (args, kwargs) in enumerate(request.inputs):
             call.mailbox.post(Activation(0, m), Handoff(Slot((tuple(args), dict(kwargs))), None))
         return call
 

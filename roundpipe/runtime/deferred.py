@@ -12,11 +12,6 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from .call import Call
-from .layers import LayerBinding
-from .session import Session, raise_second_backward
-from .versions import HOME
-
 
 class _PipelineBackward(torch.autograd.Function):
     """Connects a pipelined forward's outputs to autograd; its backward runs the pipeline's."""
@@ -30,30 +25,6 @@ class _PipelineBackward(torch.autograd.Function):
     def backward(ctx, *grads: torch.Tensor):
         ctx.run_backward(grads)
         return None, None, None
-
-
-def check_backward_allowed(call: Call, session: Session, layers: list[LayerBinding]) -> None:
-    """Refuse a backward that PyTorch would refuse too: a second one through the same
-    output, or one after the weights or modules its forward ran were changed."""
-    if call.backward_claimed:
-        raise_second_backward()
-    ledger = session.ledger
-    rewritten = call.weights_buffer == HOME and ledger.rewrites != call.rewrites_before
-    written = any(entry.externally_modified() for entry in session.store.entries.values())
-    if ledger.versions.newest != call.steps_before or rewritten or written:
-        raise RuntimeError(
-            "the weights changed (a step, load_state_dict, synchronize() or an in-place "
-            "write) between model(x) and .backward() on its output; the backward stages "
-            "would recompute with other weights than the forward used. Call .backward() "
-            "first"
-        )
-    changed = any(layer.changed() for layer in layers)
-    if ledger.layer_changes != call.layer_changes_before or changed:
-        raise RuntimeError(
-            "the model's modules changed (an attribute, a hook or a submodule) between "
-            "model(x) and .backward() on its output; the backward stages would recompute "
-            "with other modules than the forward ran. Call .backward() first"
-        )
 
 
 def attach_backward(merged: Any, outputs: list[Any], run_backward) -> Any:

@@ -6,10 +6,22 @@ from __future__ import annotations
 import contextvars
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import Protocol
 
 from . import interrupts
 from .operation import OPERATION
+
+
+class Driven(Protocol):
+    """What driving needs of a :class:`~.session.Session`."""
+
+    @property
+    def next_seq(self) -> int:
+        """The sequence number the next call issued gets."""
+
+    def in_step_fn(self) -> bool: ...
+
+    def interrupted_since(self, seq: int) -> None: ...
 
 
 class Driving:
@@ -22,16 +34,19 @@ class Driving:
     work was done still raises, and the calls it issued then count as interrupted.
     """
 
-    def __init__(self, session: Any, what: str) -> None:
+    def __init__(self, session: Driven, driver: dict, what: str) -> None:
+        """``driver``: the session's record of the thread inside a public method
+        (``"thread"``) and how deeply (``"depth"``)."""
         self.session = session
+        self.driver = driver
         self.what = what
         self.deferring = False
         self.first_seq = 0
         self.naming: contextvars.Token | None = None
 
-    def __enter__(self) -> Any:
+    def __enter__(self) -> None:
         session = self.session
-        if session.optimizer.is_current():
+        if session.in_step_fn():
             raise RuntimeError(
                 f"{self.what} was called from inside a step_fn (the optimizer thread), "
                 "where it would wait for the step itself; call it after step() instead"
@@ -44,26 +59,25 @@ class Driving:
             )
         self.deferring = interrupts.defer()  # first: no Ctrl-C between claim and release
         try:
-            self._claim(session)
+            self._claim()
         except BaseException:
             self._undefer()
             raise
-        self.first_seq = session.ledger.next_seq
+        self.first_seq = session.next_seq
         if OPERATION.get() is None:
             self.naming = OPERATION.set(self.what)
-        return session
 
-    def _claim(self, session: Any) -> None:
-        me = threading.current_thread()
-        owner = session.driver.setdefault("thread", me)
+    def _claim(self) -> None:
+        me, driver = threading.current_thread(), self.driver
+        owner = driver.setdefault("thread", me)
         if owner is not me and not owner.is_alive():
-            session.driver["thread"] = owner = me
+            driver["thread"] = owner = me
         if owner is not me:
             raise RuntimeError(
                 f"{self.what} was called from a second thread while another thread is "
                 "driving this RoundPipe model; drive a model from one thread at a time"
             )
-        session.driver["depth"] = session.driver.get("depth", 0) + 1
+        driver["depth"] = driver.get("depth", 0) + 1
 
     def _undefer(self) -> Callable[[], None] | None:
         return interrupts.undefer() if self.deferring else None
@@ -71,7 +85,7 @@ class Driving:
     def __exit__(self, exc_type, exc, traceback) -> None:
         if self.naming is not None:
             OPERATION.reset(self.naming)
-        driver = self.session.driver
+        driver = self.driver
         driver["depth"] -= 1
         if driver["depth"] <= 0:
             driver.pop("thread", None)

@@ -1,19 +1,15 @@
-"""Issuing a job's device ops by interpreting its program (:mod:`roundpipe.core.program`).
+"""Issuing a job's device ops other than weight uploads (:mod:`roundpipe.core.program`).
 
-One table, :data:`OP_HANDLERS`, says which thread issues each op kind and how: the
-prefetch thread issues the program's weight ops (:func:`upload_stage_weights`, handlers
-in :mod:`.prefetch`); a :class:`JobIssuer` issues the rest, in program order, on the
-worker's issue thread, without waiting on the device except for the program's host
-waits, taking each upload's device memory when issued, as CUDA's caching allocator does
-(docs/design.md#issuing-a-job).
+A :class:`JobIssuer` issues them, in program order, on the worker's issue thread, as
+the one table of handlers says (:data:`.op_table.OP_HANDLERS`), without waiting on the
+device except for the program's host waits, taking each upload's device memory when
+issued, as CUDA's caching allocator does (docs/design.md#issuing-a-job).
 """
 
 from __future__ import annotations
 
-import enum
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -26,7 +22,7 @@ from ..devices.base import Event, OpInfo, Slot, Stream
 from ..errors import failure_site
 from .call import Call
 from .context import JobContext, WorkerContext
-from .prefetch import StageWeights, WeightUpload
+from .prefetch import StageWeights
 from .profiler import TransferTiming
 from .stage_compute import StageCompute
 from .sync import Handoff
@@ -58,13 +54,10 @@ class JobIssuer:
         if program.weight_ops:
             self.events[program.weight_ops[-1].index] = weights.ready
 
-    def issue(self) -> None:
-        for op in self.program.ops:
-            handler = handler_for(op.kind)
-            if handler.thread is IssuingThread.ISSUE:
-                self.issue_op(op, handler)
-
-    def issue_op(self, op: DeviceOp, handler: OpHandler) -> None:
+    def issue_op(
+        self, op: DeviceOp, handler: Callable[[JobIssuer, DeviceOp, Stream], None]
+    ) -> None:
+        """Issue ``op`` with ``handler`` on its stream, behind the ops it reads."""
         if op.host_wait is not None:
             self.events[op.host_wait].wait(None)  # the memory bound, counted when issued
         stream = self.device.streams[op.stream]
@@ -74,7 +67,7 @@ class JobIssuer:
                 stream.wait(self.events[index])
                 self.waited[(op.stream, source)] = index
         self.results[op.index] = Slot()
-        handler.issue(self, op, stream)
+        handler(self, op, stream)
         if op.index in self.needs_event:
             self.events[op.index] = stream.record()
         for key, slot in self.posted.pop(op.index, {}).items():
@@ -86,17 +79,17 @@ class JobIssuer:
     # -- uploads -------------------------------------------------------------------------
 
     def upload_input(self, op: DeviceOp, stream: Stream) -> None:
-        layer = op.key.layer
+        layer = _key(op).layer
         requires_grad = self.job.kind is JobKind.FUSED or (
             self.job.kind is JobKind.BACKWARD and layer > 0
         )
         self.upload_handoff(op, stream, f"act {layer}", requires_grad)
 
     def upload_grad(self, op: DeviceOp, stream: Stream) -> None:
-        self.upload_handoff(op, stream, f"grad {op.key.layer}", requires_grad=False)
+        self.upload_handoff(op, stream, f"grad {_key(op).layer}", requires_grad=False)
 
     def upload_handoff(self, op: DeviceOp, stream: Stream, what: str, requires_grad: bool) -> None:
-        handoff = self.mailbox.get(op.key)
+        handoff = self.mailbox.get(_key(op))
         if handoff.event is None:  # already in host memory
             self.submit_upload(op, stream, what, handoff.slot.value, requires_grad)
             return
@@ -115,7 +108,7 @@ class JobIssuer:
 
     def upload_label(self, op: DeviceOp, stream: Stream) -> None:
         labels = self.call.labels
-        host = labels[op.microbatch] if labels is not None else None
+        host = labels[_microbatch(op)] if labels is not None else None
         self.submit_upload(op, stream, "label", host, False)
 
     def submit_upload(
@@ -151,7 +144,7 @@ class JobIssuer:
 
     # -- compute -------------------------------------------------------------------------
 
-    def run_compute(self, op: DeviceOp, stream: Stream, body: Callable[[], object]) -> None:
+    def run_compute(self, op: DeviceOp, stream: Stream, body: Callable[[], Any]) -> None:
         """Submit a compute op whose result (``body()``) goes to the op's result slot;
         the values it posts itself get slots of their own."""
         result, device = self.results[op.index], self.device
@@ -165,7 +158,7 @@ class JobIssuer:
             for key in self.program.downloads.get(op.index, ())
             if isinstance(key, (Activation, InputGrad))
         ]
-        launched = threading.Event() if keys else None
+        launched = threading.Event()
         shapes = {key: Shapes(launched) for key in keys}
         self.shapes.update(shapes)
 
@@ -199,22 +192,22 @@ class JobIssuer:
             if isinstance(key, Activation) and key.layer != stop
         )
         rng = frozenset(key.layer for key in op.posts if isinstance(key, RngState))
-        m = op.microbatch
+        m = _microbatch(op)
         self.run_compute(op, stream, lambda: self.compute.forward(m, value, saves, rng))
 
     def fused(self, op: DeviceOp, stream: Stream) -> None:
         _, value = self.input_of(op, OpKind.UPLOAD_INPUT)
         _, label = self.input_of(op, OpKind.UPLOAD_LABEL)
-        self.run_compute(op, stream, lambda: self.compute.fused(op.microbatch, value, label))
+        self.run_compute(op, stream, lambda: self.compute.fused(_microbatch(op), value, label))
 
     def recompute(self, op: DeviceOp, stream: Stream) -> None:
         _, value = self.input_of(op, OpKind.UPLOAD_INPUT)
         rng = None
         if op.key is not None:
             handoff = self.mailbox.get(op.key)
-            stream.wait(handoff.event)
+            stream.wait(_event(handoff))
             rng = handoff.slot
-        m = op.microbatch
+        m = _microbatch(op)
         self.run_compute(op, stream, lambda: self.compute.recompute(m, op.layers, value, rng))
 
     def backward(self, op: DeviceOp, stream: Stream) -> None:
@@ -224,9 +217,9 @@ class JobIssuer:
         def incoming():
             if source.kind is OpKind.UPLOAD_GRAD:
                 return grad.take()
-            return grad.value.pop(InputGrad(source.layers.start, op.microbatch))
+            return grad.value.pop(InputGrad(source.layers.start, _microbatch(op)))
 
-        m = op.microbatch
+        m = _microbatch(op)
         self.run_compute(op, stream, lambda: self.compute.backward(m, op.layers, graph, incoming))
 
     # -- downloads and the end of the job -------------------------------------------------
@@ -319,7 +312,7 @@ class JobIssuer:
             worker.open_buffer_gates(call, job)
             call.latch.fail(job.index, error)
 
-        worker.after([downloaded.event], write_and_open_gates, failed)
+        worker.after([_event(downloaded)], write_and_open_gates, failed)
 
     def download_grads(self, op: DeviceOp, stream: Stream) -> None:
         worker, call, job, scale = self.ctx.worker, self.call, self.job, self.ctx.loss_scale
@@ -339,7 +332,7 @@ class JobIssuer:
                 room.release()  # accumulate raised before releasing, or never ran
                 call.latch.fail(job.index, error)
 
-            worker.after([downloaded.event], accumulate, failed)
+            worker.after([_event(downloaded)], accumulate, failed)
         except BaseException:
             room.release()
             raise
@@ -363,65 +356,19 @@ def _accumulate(
     return frozenset(grads)
 
 
-class IssuingThread(enum.Enum):
-    """The worker thread that issues an op (docs/design.md#issuing-a-job)."""
-
-    PREFETCH = "prefetch"
-    ISSUE = "issue"
-
-
-@dataclass(frozen=True)
-class OpHandler:
-    thread: IssuingThread
-    issue: Callable[..., None]
-    """``issue(interpreter, op, stream)``: a :class:`~.prefetch.WeightUpload` on the
-    prefetch thread, a :class:`JobIssuer` on the issue thread."""
+def _microbatch(op: DeviceOp) -> int:
+    """The microbatch of an op of a stage (every op but the weight uploads has one)."""
+    assert op.microbatch is not None, f"op #{op.index} has no microbatch"
+    return op.microbatch
 
 
-_PREFETCH, _ISSUE = IssuingThread.PREFETCH, IssuingThread.ISSUE
-OP_HANDLERS: dict[OpKind, OpHandler] = {
-    OpKind.UPLOAD_WEIGHTS: OpHandler(_PREFETCH, WeightUpload.upload_weights),
-    OpKind.UPLOAD_BUFFERS: OpHandler(_PREFETCH, WeightUpload.upload_buffers),
-    OpKind.UPLOAD_INPUT: OpHandler(_ISSUE, JobIssuer.upload_input),
-    OpKind.UPLOAD_LABEL: OpHandler(_ISSUE, JobIssuer.upload_label),
-    OpKind.UPLOAD_GRAD: OpHandler(_ISSUE, JobIssuer.upload_grad),
-    OpKind.FORWARD: OpHandler(_ISSUE, JobIssuer.forward),
-    OpKind.FUSED: OpHandler(_ISSUE, JobIssuer.fused),
-    OpKind.RECOMPUTE: OpHandler(_ISSUE, JobIssuer.recompute),
-    OpKind.BACKWARD: OpHandler(_ISSUE, JobIssuer.backward),
-    OpKind.DOWNLOAD: OpHandler(_ISSUE, JobIssuer.download_value),
-    OpKind.TAKE_BUFFERS: OpHandler(_ISSUE, JobIssuer.take_buffers),
-    OpKind.WRITE_BACK: OpHandler(_ISSUE, JobIssuer.write_back),
-    OpKind.TAKE_GRADS: OpHandler(_ISSUE, JobIssuer.take_grads),
-    OpKind.DOWNLOAD_GRADS: OpHandler(_ISSUE, JobIssuer.download_grads),
-    OpKind.RELEASE: OpHandler(_ISSUE, JobIssuer.release),
-}
-"""Which thread issues each op kind, and how: every kind, checked on import. The weight
-uploads go on the prefetch thread, so a stage's weights travel while the device still
-computes the stage before (the kinds of the weight-upload stream, exactly)."""
-
-_prefetched = {kind for kind, handler in OP_HANDLERS.items() if handler.thread is _PREFETCH}
-if OP_HANDLERS.keys() != set(OpKind) or _prefetched != {
-    kind for kind in OpKind if kind.stream is StreamName.WEIGHT_UPLOAD
-}:
-    raise RuntimeError("OP_HANDLERS must handle every OpKind, its weight uploads prefetched")
+def _key(op: DeviceOp) -> Activation | InputGrad:
+    """The handoff an activation or gradient upload reads."""
+    assert isinstance(op.key, (Activation, InputGrad)), f"op #{op.index} reads no handoff"
+    return op.key
 
 
-def handler_for(kind: OpKind) -> OpHandler:
-    """The handler of ``kind``; an unknown kind is refused by name."""
-    handler = OP_HANDLERS.get(kind)
-    if handler is None:
-        known = ", ".join(k.value for k in OP_HANDLERS)
-        raise ValueError(f"no handler for op kind {kind!r}: the runtime issues {known}")
-    return handler
-
-
-def upload_stage_weights(ctx: JobContext) -> tuple[JobProgram, StageWeights]:
-    """On the prefetch thread: lower the job to its program, allocate its weights on the
-    device now and issue the program's weight ops."""
-    upload = WeightUpload(ctx)
-    for op in upload.program.ops:
-        handler = handler_for(op.kind)
-        if handler.thread is IssuingThread.PREFETCH:
-            handler.issue(upload, op, upload.device.streams[op.stream])
-    return upload.program, upload.stage_weights()
+def _event(handoff: Handoff) -> Event:
+    """The event of a handoff made on a device (not one complete in host memory)."""
+    assert handoff.event is not None, "a handoff complete in host memory has no event"
+    return handoff.event

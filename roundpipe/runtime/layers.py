@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 import threading
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -118,8 +119,8 @@ class LayerBinding:
             memo[id(tensor)] = nn.Parameter(
                 torch.empty_like(tensor, device="meta"), requires_grad=tensor.requires_grad
             )
-        for tensor in self.module.buffers(recurse=True):
-            memo[id(tensor)] = torch.empty_like(tensor, device="meta")
+        for buffer in self.module.buffers(recurse=True):
+            memo[id(buffer)] = torch.empty_like(buffer, device="meta")
         return copy.deepcopy(self.module, memo)
 
     def bind(
@@ -167,9 +168,17 @@ class _ShellTargets:
 
     def __init__(self, layer: LayerBinding, shell: nn.Module) -> None:
         self.modules = list(zip(shell.modules(), layer.module.modules(), strict=True))
-        self.params = [(s, shell.get_submodule(s.path)._parameters) for s in layer.param_slots]
-        self.param_buffers = [(s, shell.get_submodule(s.path)._buffers) for s in layer.param_slots]
-        self.buffers = [(s, shell.get_submodule(s.path)._buffers) for s in layer.buffer_slots]
+        # Where each tensor goes: the dicts nn.Module keeps them in (bound to device tensors,
+        # which need not be nn.Parameters, and emptied with None).
+        self.params: list[tuple[Any, dict[str, Any]]] = [
+            (s, shell.get_submodule(s.path)._parameters) for s in layer.param_slots
+        ]
+        self.param_buffers: list[tuple[Any, dict[str, Any]]] = [
+            (s, shell.get_submodule(s.path)._buffers) for s in layer.param_slots
+        ]
+        self.buffers: list[tuple[Any, dict[str, Any]]] = [
+            (s, shell.get_submodule(s.path)._buffers) for s in layer.buffer_slots
+        ]
 
 
 _PLAIN = (bool, int, float, complex, str, bytes, type(None), torch.dtype, torch.device)

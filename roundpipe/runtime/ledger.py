@@ -10,9 +10,10 @@ import threading
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
+from typing import NoReturn
 
 from .call import Call
-from .versions import VersionState
+from .versions import HOME, VersionState
 
 ISSUING = "issuing"
 """Recorded in flight; its jobs are being handed to the workers."""
@@ -86,6 +87,28 @@ class Ledger:
         states[call] = replace(states.get(call, CallState()), **changes)
         return replace(self, states=states)
 
+    def check_backward(self, call: Call, weights_written: bool, modules_changed: bool) -> None:
+        """Refuse a deferred call's backward that PyTorch would refuse too: a second one
+        through the same output, or one after the weights (a step, a rewrite of the
+        user's tensors, ``weights_written`` by the user) or modules (``modules_changed``)
+        its forward ran were changed."""
+        if call.backward_claimed:
+            raise_second_backward()
+        rewritten = call.weights_buffer == HOME and self.rewrites != call.rewrites_before
+        if self.versions.newest != call.steps_before or rewritten or weights_written:
+            raise RuntimeError(
+                "the weights changed (a step, load_state_dict, synchronize() or an in-place "
+                "write) between model(x) and .backward() on its output; the backward stages "
+                "would recompute with other weights than the forward used. Call .backward() "
+                "first"
+            )
+        if self.layer_changes != call.layer_changes_before or modules_changed:
+            raise RuntimeError(
+                "the model's modules changed (an attribute, a hook or a submodule) between "
+                "model(x) and .backward() on its output; the backward stages would recompute "
+                "with other modules than the forward ran. Call .backward() first"
+            )
+
     def pruned(self) -> Ledger:
         """Without the states of calls no longer in flight."""
         return replace(self, states={c: s for c, s in self.states.items() if c in self.in_flight})
@@ -108,3 +131,10 @@ class LedgerCell:
     def change(self, change: Callable[[Ledger], Ledger]) -> None:
         with self._lock:
             self.value = change(self.value)
+
+
+def raise_second_backward() -> NoReturn:
+    raise RuntimeError(
+        "backward through the output of this model(x) call ran already; the "
+        "pipeline keeps no graph for a second one (retain_graph is not supported)"
+    )

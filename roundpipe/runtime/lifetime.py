@@ -47,9 +47,12 @@ def _stop_all_at_exit() -> None:
     sessions = list(_sessions or ())
     if not sessions:
         return
-    stopper = threading.Thread(
-        target=lambda: [s.shutdown() for s in sessions], name="roundpipe-exit", daemon=True
-    )
+
+    def stop_all() -> None:
+        for session in sessions:
+            session.shutdown()
+
+    stopper = threading.Thread(target=stop_all, name="roundpipe-exit", daemon=True)
     try:
         stopper.start()
     except RuntimeError:  # Python 3.12+: no new threads at interpreter exit

@@ -20,7 +20,7 @@ def tensor_leaves(tree: Any) -> list[torch.Tensor]:
 
 def batch_size(tree: Any, what: str) -> int | None:
     """The common dim-0 size of the tensors in ``tree`` (None if it holds no tensors)."""
-    sizes = {}
+    sizes: dict[int, int] = {}
     leaves, _ = tree_flatten(tree)
     for position, leaf in enumerate(leaves):
         if isinstance(leaf, torch.Tensor):

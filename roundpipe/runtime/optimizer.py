@@ -15,6 +15,7 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
+import torch
 from torch.amp.grad_scaler import OptState
 
 from ..errors import failure_site, locate
@@ -40,7 +41,7 @@ class NodeSteps(Protocol):
         """Reduce the gradients, agree, run ``step_fn`` (its error is returned); on a
         failure anywhere ``discard(calls, reduced=True)`` instead."""
 
-    def gather(self, buffer_of: Callable[[int], object]) -> None:
+    def gather(self, buffer_of: Callable[[int], torch.Tensor]) -> None:
         """Fill the weights other nodes own into ``buffer_of(uid)`` (a collective)."""
 
 

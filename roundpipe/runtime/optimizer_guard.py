@@ -12,23 +12,22 @@ import weakref
 
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-_watched: weakref.WeakSet | None = None
-_checked: weakref.WeakKeyDictionary | None = None
+_watched: weakref.WeakSet = weakref.WeakSet()
+_checked: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_hooked: list[bool] = []
 
 
 def watch(store) -> None:
     """Refuse optimizer steps over ``store``'s user parameters until :func:`unwatch`."""
-    global _watched, _checked
-    if _watched is None:
-        _watched, _checked = weakref.WeakSet(), weakref.WeakKeyDictionary()
+    if not _hooked:
         register_optimizer_step_pre_hook(_check)
+        _hooked.append(True)
     _watched.add(store)
     _checked.clear()
 
 
 def unwatch(store) -> None:
-    if _watched is not None:
-        _watched.discard(store)
+    _watched.discard(store)
 
 
 def _check(optimizer, args, kwargs) -> None:

@@ -130,6 +130,10 @@ class ParameterStore:
     def trainable(self, uid: int) -> bool:
         return self.entries[uid].trainable
 
+    def externally_modified(self) -> bool:
+        """Whether the user wrote into a parameter's tensor since it was last adopted."""
+        return any(entry.externally_modified() for entry in self.entries.values())
+
     # -- gradients -----------------------------------------------------------------
 
     def accumulate_grad(self, uid: int, grad: torch.Tensor, scale: float | None = None) -> None:
@@ -150,13 +154,14 @@ class ParameterStore:
         entry = self.entries[uid]
         assert entry.trainable and (entry.master is not None or self.sharded)
         with self._grad_lock:  # several completer threads may accumulate into one master
-            acc = entry.local_grad if self.sharded else entry.master.grad
+            master = entry.master
+            acc = entry.local_grad if master is None or self.sharded else master.grad
             if acc is None:
                 acc = _unscaled_copy(grad, entry.optim_dtype, scale)
-                if self.sharded:
+                if master is None or self.sharded:
                     entry.local_grad = acc
                 else:
-                    entry.master.grad = acc
+                    master.grad = acc
             elif acc.dtype != entry.optim_dtype or not _flat_pair(acc, grad):
                 acc.add_(_reference_grad(grad, entry.optim_dtype, scale))
             else:
@@ -284,9 +289,14 @@ def _exact_reciprocal(dtype: torch.dtype, scale: float | None) -> float | None:
     return 1.0 / scale
 
 
-def _unscale(src: torch.Tensor, out: torch.Tensor, scale: float, recip: float | None) -> None:
-    """``out = src / scale`` (``out`` may be ``src``), as a multiply where that is exact."""
-    if recip is None:
+def _unscale(
+    src: torch.Tensor, out: torch.Tensor, scale: float | None, recip: float | None
+) -> None:
+    """``out = src / scale`` (``out`` may be ``src``), as a multiply where that is exact;
+    a copy without a ``scale``."""
+    if scale is None:
+        out.copy_(src)
+    elif recip is None:
         torch.div(src, scale, out=out)
     else:
         torch.mul(src, recip, out=out)

@@ -35,7 +35,7 @@ class StageWeights:
 
 class WeightUpload:
     """One job's weights on their way to a device: allocated when built, on the prefetch
-    thread; its handlers issue the program's weight ops (``issuer.OP_HANDLERS``)."""
+    thread; its handlers issue the program's weight ops (``op_table.OP_HANDLERS``)."""
 
     def __init__(self, ctx: JobContext) -> None:
         """Lower the job to its program and allocate its weights on the device now."""
@@ -78,6 +78,7 @@ class WeightUpload:
 
     def upload_weights(self, op: DeviceOp, stream: Stream) -> None:
         """One chunk of the parameters, gated behind the pending activation uploads."""
+        assert op.chunk is not None, f"weight upload #{op.index} names no chunk"
         device, sources, chunk = self.device, self.sources, self.pieces[op.chunk]
         if self.ctx.call.config.gate_weight_chunks:
             if self.copied is not None:

@@ -16,7 +16,7 @@ from collections.abc import Iterator, Sequence
 
 from torch import nn
 
-from ..devices.base import Device
+from ..devices.base import Device, Timer
 from ..planning.sim.costs import CostModel, LayerCosts
 
 _ESTIMATE_SECONDS_PER_PARAM = 1e-9
@@ -40,7 +40,7 @@ class TransferTiming:
         """For a boundary: the layer whose input it is (None: not known)."""
         self.nbytes = 0
         self._device = device
-        self._timer = None
+        self._timer: Timer | None = None
 
     @property
     def timed(self) -> bool:
@@ -52,10 +52,10 @@ class TransferTiming:
         if not self.timed:
             yield
             return
-        self._timer = self._device.timer()
-        self._timer.start()
+        timer = self._timer = self._device.timer()
+        timer.start()
         yield
-        self._timer.stop()
+        timer.stop()
 
     def seconds(self) -> float:
         return self._timer.seconds() if self._timer is not None else 0.0

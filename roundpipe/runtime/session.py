@@ -19,12 +19,22 @@ from ..devices.base import DevicePool
 from ..errors import RoundPipeError
 from . import failures, lifetime
 from .backward_steps import BackwardSteps
-from .call import Call
+from .call import Call, CallRequest
 from .context import GradientReports
 from .driving import Driving
 from .inputs import HostBufferPool
 from .layers import LayerBinding
-from .ledger import INTERRUPTED, ISSUING, RETURNED, RUNNING, CallState, Ledger, LedgerCell, StepTask
+from .ledger import (
+    INTERRUPTED,
+    ISSUING,
+    RETURNED,
+    RUNNING,
+    CallState,
+    Ledger,
+    LedgerCell,
+    StepTask,
+    raise_second_backward,
+)
 from .optimizer import NodeSteps, OptimizerThread
 from .params import ParameterStore
 from .profiler import LayerProfiler
@@ -45,11 +55,12 @@ class Session:
         pin_model: str,
         grad_scaler,
         profiler: LayerProfiler,
+        inputs: HostBufferPool,
         node: NodeSteps | None = None,
     ) -> None:
         """The host state and threads (started on first use) of a model wrapped on
-        ``pool`` whose parameters ``store`` holds; ``node``: on several nodes, what its
-        steps go through."""
+        ``pool`` whose parameters ``store`` holds; ``inputs``: the buffers calls copy
+        their inputs into; ``node``: on several nodes, what its steps go through."""
         self.pool = pool
         self.owns_pool = owns_pool
         self.store = store
@@ -72,8 +83,7 @@ class Session:
         self.optimizer = OptimizerThread(
             store, self.versions, grad_scaler, node, self.state_of, self._discarded
         )
-        input_pin = functools.partial(pool.pin, mode="off" if pin_model == "off" else "alloc")
-        self.inputs = HostBufferPool(input_pin)
+        self.inputs = inputs
         self._ledger = LedgerCell()
         self.closed = False
         self.driver: dict = {}
@@ -96,6 +106,10 @@ class Session:
             return ledger.with_state(call, **changes)
 
         self._ledger.change(change)
+
+    @property
+    def next_seq(self) -> int:
+        return self.ledger.next_seq
 
     def state_of(self, call: Call) -> CallState:
         return self.ledger.state(call)
@@ -134,7 +148,11 @@ class Session:
 
     def enter(self, what: str) -> Driving:
         """Context for a public method: one driving thread, never from inside ``step_fn``."""
-        return Driving(self, what)
+        return Driving(self, self.driver, what)
+
+    def in_step_fn(self) -> bool:
+        """Whether this thread is the optimizer thread, inside a ``step_fn``."""
+        return self.optimizer.is_current()
 
     def check_open(self) -> None:
         if self.closed:
@@ -142,7 +160,7 @@ class Session:
 
     # -- keeping the background in step with the ledger ----------------------------------
 
-    def repair(self) -> None:
+    def _repair(self) -> None:
         """Cancel jobs of calls whose issuing was cut short; queue recorded steps."""
         ledger = self.ledger
         for call in ledger.in_flight:
@@ -161,7 +179,7 @@ class Session:
     def settle(self) -> None:
         """Before new work: clean up after interrupted calls, raise finished failures,
         and forget finished calls and steps (O(1) per call: they finish in order)."""
-        self.repair()
+        self._repair()
         ledger = self.ledger
         if any(not ledger.state(call).returned for call in ledger.in_flight):
             self.fail_if(self.recover(None))  # an interrupted call: discard, silently
@@ -192,19 +210,27 @@ class Session:
         """Back-pressure before a training call (docs/design.md#host-memory).
 
         A call's downloaded gradients wait in host memory until the step queued before it
-        has been applied (the masters' gradients are the step's until then). So that at
-        most one call's gradients wait beyond those the step applies — never one per call
-        of a step made of several — a call starts only once the step before it is
-        published, when a call since that step is unfinished. With one call per step
-        nothing waits here. A publish that failed is reported by the call itself.
+        was applied. So that at most one call's gradients wait beyond those the step
+        applies, a call starts only once the step before it is published, when a call
+        since that step is unfinished (one call per step: no wait). A publish that failed
+        is reported by the call itself.
         """
         ledger = self.ledger
         if ledger.since_step and self.versions.published.value < ledger.versions.newest:
             with contextlib.suppress(RuntimeError):
                 self.versions.published.wait_for(ledger.versions.newest)
 
-    def issue(self, call: Call, loss_scale: float | None, owned_buffers: list) -> None:
-        """Record ``call`` in flight, then hand its first jobs to the workers."""
+    def start(self, request: CallRequest, loss_scale: float | None, owned_buffers: list) -> Call:
+        """Start the call ``request`` asks for, on the weights new calls read: record it
+        in flight, then hand its first jobs to the workers."""
+        ledger = self.ledger
+        call = Call.start(
+            request,
+            ledger.versions,
+            seq=ledger.next_seq,
+            rewrites_before=ledger.rewrites,
+            layer_changes_before=ledger.layer_changes,
+        )
         stepping = not call.forward_only and self._steps_in_backward()  # refuses first
         self._ledger.change(
             lambda now: replace(
@@ -215,6 +241,12 @@ class Session:
             )
         )
         self._dispatch(call, call.first_jobs, loss_scale, stepping and not call.deferred)
+        return call
+
+    def check_backward(self, call: Call, layers: list[LayerBinding]) -> None:
+        """Refuse a backward PyTorch would refuse (:meth:`.Ledger.check_backward`)."""
+        changed = any(layer.changed() for layer in layers)
+        self.ledger.check_backward(call, self.store.externally_modified(), changed)
 
     def issue_backward(self, call: Call, loss_scale: float | None) -> None:
         """Dispatch the backward jobs of a deferred call (a ``model(x)`` output's
@@ -241,7 +273,7 @@ class Session:
         self, call: Call, jobs: tuple[Job, ...], loss_scale: float | None, stepping: bool
     ) -> None:
         """Hand ``jobs`` of a call recorded as issuing to their workers, then record it
-        running (cut short, :meth:`repair` cancels the rest). ``stepping``: the jobs'
+        running (cut short, :meth:`_repair` cancels the rest). ``stepping``: the jobs'
         masters step in the backward, and a synchronous publish follows them."""
         if stepping:
             self.backward_steps.begin(call)
@@ -286,17 +318,19 @@ class Session:
         the first failure of background work nobody has seen. Safe to interrupt and
         to call again.
         """
-        self.repair()
+        self._repair()
         ledger = self.ledger
         for call in ledger.in_flight:
             call.latch.wait()
         outcomes = [wait_future(task.done) for task in ledger.steps]
         ledger = self.ledger  # the states, now final
         step_errors = [e for e in outcomes if e is not None]
-        reportable = [error] if error is not None else []
+        reportable: list[BaseException] = [error] if error is not None else []
         reportable += step_errors  # before calls' errors, which may be their consequence
         reportable += [
-            c.latch.error for c in ledger.in_flight if ledger.state(c).returned and c.failed
+            c.latch.error
+            for c in ledger.in_flight
+            if ledger.state(c).returned and c.latch.error is not None
         ]
         failed = [c for c in ledger.since_step if failures.failed(c, ledger.state(c))]
         discarded_now = failures.discard_gradients(self.store, failed, ledger.state)
@@ -340,7 +374,7 @@ class Session:
             error = self._drain()
         except Exception as exc:  # noqa: BLE001 - the threads are stopped regardless
             error = exc
-        self.stop_threads()
+        self._stop_threads()
         return error
 
     def shutdown(self) -> None:
@@ -350,14 +384,14 @@ class Session:
             return
         with contextlib.suppress(BaseException):
             self._drain()
-        self.stop_threads()
+        self._stop_threads()
 
     def _drain(self) -> BaseException | None:
         error = self.recover(None)
         self.make_current()  # the wrapped model keeps the newest weights
         return error
 
-    def stop_threads(self) -> None:
+    def _stop_threads(self) -> None:
         for worker in self.workers:
             worker.stop()
         self.optimizer.stop()
@@ -370,13 +404,6 @@ class Session:
 def _published_only() -> None:
     """The step queued after a call whose masters stepped in its backward: nothing left
     to apply, the masters are published for the next call."""
-
-
-def raise_second_backward() -> NoReturn:
-    raise RuntimeError(
-        "backward through the output of this model(x) call ran already; the "
-        "pipeline keeps no graph for a second one (retain_graph is not supported)"
-    )
 
 
 def _with(calls: tuple[Call, ...], call: Call) -> tuple[Call, ...]:

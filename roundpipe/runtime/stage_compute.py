@@ -62,8 +62,10 @@ class StageCompute:
                 seed = microbatch_seed(call.rng_seed, m)
                 for i in job.layers:
                     x = self.run_layer(i, x, m, "forward", seed)
+                loss_fn = call.loss_fn
+                assert loss_fn is not None, "a fused stage of a call without a loss_fn"
                 with failure_site(f"loss_fn in {self.name}, microbatch {m}"):
-                    loss = call.loss_fn(x[0][0], target)
+                    loss = loss_fn(x[0][0], target)
                     _check_loss(loss)
                 if call.loss_weights is not None:  # its share of the call's loss
                     loss = loss * call.loss_weights[m]

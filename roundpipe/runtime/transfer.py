@@ -13,7 +13,7 @@ import dataclasses
 import functools
 import math
 import threading
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch.utils._pytree import SUPPORTED_NODES, register_pytree_node, tree_flatten, tree_unflatten
@@ -87,7 +87,7 @@ def _dataclass_children(value: Any) -> tuple[list[Any], tuple[str, ...]]:
     return [getattr(value, name) for name in names], names
 
 
-def _rebuild_dataclass(kind: type, children: Any, names: tuple[str, ...]) -> Any:
+def _rebuild_dataclass(kind: Any, children: Any, names: tuple[str, ...]) -> Any:
     value = kind.__new__(kind)
     for name, child in zip(names, children, strict=True):
         object.__setattr__(value, name, child)  # frozen dataclasses too
@@ -213,7 +213,9 @@ class Upload:
         self.tree = _map_unique(tree, self._allocate, (torch.Tensor, TensorMeta))
 
     def _allocate(self, host: torch.Tensor | TensorMeta) -> torch.Tensor:
-        host = host.detach()
+        # TensorMeta: the shape a producer announced (Shapes), standing in for the host
+        # tensor the download will fill; it answers what allocate and the counts ask.
+        host = cast(torch.Tensor, host.detach())
         tensor = self.device.allocate(host, self.stream)
         self.device.keep_alive(tensor, self.device.compute)
         self.pairs.append((tensor, host))

@@ -24,8 +24,9 @@ from ..devices.base import Device, Event
 from ..errors import locate, release_frames
 from .call import Call
 from .context import GradientReports, JobContext, WorkerContext
-from .issuer import JobIssuer, upload_stage_weights
+from .issuer import JobIssuer
 from .layers import LayerBinding
+from .op_table import issue_job, upload_stage_weights
 from .params import ParameterStore
 from .prefetch import StageWeights
 from .profiler import LayerProfiler
@@ -93,7 +94,8 @@ class DeviceWorker:
         self.profiler = profiler
         self._prefetches: queue.SimpleQueue = queue.SimpleQueue()
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
-        followups = self._followups = queue.SimpleQueue()
+        followups: queue.SimpleQueue = queue.SimpleQueue()
+        self._followups = followups
         self.context = WorkerContext(
             device=device,
             layers=tuple(layers),
@@ -177,8 +179,10 @@ class DeviceWorker:
         error = record.error
         if error is None:
             try:
-                issuer = record.issuer = JobIssuer(ctx, record.program, record.weights)
-                issuer.issue()
+                program, weights = record.program, record.weights
+                assert program is not None and weights is not None, "prefetched without error"
+                issuer = record.issuer = JobIssuer(ctx, program, weights)
+                issue_job(issuer)
             except BaseException as exc:  # noqa: BLE001 - handed to the call
                 error = locate(exc, f"{ctx.name} on device {self.device!r}")
         try:

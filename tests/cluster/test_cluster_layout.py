@@ -107,7 +107,7 @@ def test_bad_options_are_refused_even_on_one_node(kwargs, error, match):
 
 def test_one_process_without_torch_distributed_is_a_single_node():
     with RoundPipe(mlp(), devices="emulated:1") as pipe:
-        assert pipe._node is None
+        assert pipe.node is None
 
 
 def test_a_tensor_as_big_as_a_bucket_travels_alone_to_its_owner():

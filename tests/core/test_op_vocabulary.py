@@ -2,7 +2,7 @@
 
 - every kind the lowering emits is an ``OpKind``, on the stream its kind names, and an op
   stream (``StreamName``) is a different thing from an op kind of the same spelling;
-- the runtime's table (:data:`roundpipe.runtime.issuer.OP_HANDLERS`) handles every kind,
+- the runtime's table (:data:`roundpipe.runtime.op_table.OP_HANDLERS`) handles every kind,
   the weight uploads on the prefetch thread and nothing else there;
 - an unknown kind is refused by name when an op is built, parsed or issued;
 - a printed program parses back to the same ops and prints the same again: on every
@@ -27,7 +27,7 @@ from roundpipe.core.program import (
     recompute_inputs,
 )
 from roundpipe.core.schedule import lower
-from roundpipe.runtime.issuer import OP_HANDLERS, IssuingThread, handler_for
+from roundpipe.runtime.op_table import OP_HANDLERS, IssuingThread, handler_for
 
 # -- the kinds -------------------------------------------------------------------------
 

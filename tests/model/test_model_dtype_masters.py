@@ -71,7 +71,7 @@ def test_masters_are_the_model_weights_and_sync_steps_need_no_spare(no_hang):
             no_hang(pipe.forward_backward, (x.bfloat16(),), label=y.bfloat16(), loss_fn=mse_sum)
             no_hang(pipe.step, lambda: (optimizer.step(), optimizer.zero_grad()), is_async=False)
         no_hang(pipe.synchronize)
-        assert pipe._session.versions._spares == {}, "a synchronous step allocated a spare"
+        assert pipe.runtime.session.versions._spares == {}, "a synchronous step allocated a spare"
         assert [m.data_ptr() for m in pipe.optim_parameters()] == [p.data_ptr() for p in user]
 
 

@@ -208,7 +208,7 @@ def test_an_unchanged_model_is_never_copied_again_even_when_switching_train_and_
             with torch.no_grad():
                 pipe(x)
             pipe.train()
-        assert pipe._session.ledger.layer_changes == 0
+        assert pipe.runtime.session.ledger.layer_changes == 0
 
 
 @pytest.mark.parametrize("lora", [False, True])
@@ -233,4 +233,4 @@ def test_a_hugging_face_model_is_never_copied_again_between_calls(lora: bool) ->
             pipe.forward_backward(input_kwargs=batch_kwargs)
             pipe.step(lambda: (optimizer.step(), optimizer.zero_grad()))
         pipe.synchronize()
-        assert pipe._session.ledger.layer_changes == 0
+        assert pipe.runtime.session.ledger.layer_changes == 0

@@ -87,7 +87,7 @@ def test_bookkeeping_stays_bounded_over_many_async_steps(wrap, no_hang):
     for _ in range(300):
         pipe.forward_backward((x,), label=y, loss_fn=mse_sum)
         pipe.step(lambda: (optimizer.step(), optimizer.zero_grad()))
-        ledger = pipe._session.ledger
+        ledger = pipe.runtime.session.ledger
         sizes.append(len(ledger.in_flight) + len(ledger.steps) + len(ledger.since_step))
     no_hang(pipe.synchronize)
     assert max(sizes[100:]) <= 8, f"calls and steps kept in the ledger grow: {sizes[-10:]}"

@@ -109,7 +109,7 @@ def test_forward_backward_returns_with_the_loss_while_backward_stages_still_run(
         mlp(), devices="emulated:3", model_run_config=config, emulated_options=options
     ) as pipe:
         pipe.forward_backward((x,), label=y, loss_fn=mse_sum)
-        assert not pipe._session.ledger.in_flight[-1].latch.done  # backward stages still run
+        assert not pipe.runtime.session.ledger.in_flight[-1].latch.done  # backward stages still run
         pipe.synchronize()
         assert all(p.grad is not None for p in pipe.model.parameters())
 

@@ -41,7 +41,7 @@ def dropout_model():
 def collect_logs(wrapped):
     """Masks drawn by the per-device copies of each dropout layer, merged by phase."""
     merged = []
-    for index, layer in enumerate(wrapped._layers):
+    for index, layer in enumerate(wrapped.runtime.layers):
         if not isinstance(layer.module, RecordingDropout):
             continue
         log = {"forward": [], "grad": []}

@@ -62,7 +62,7 @@ def train(
         grad_reduction=grad_reduction,
         comm_options=options,
     )
-    pipe._node.comm.delay_s = delay_s
+    pipe.node.comm.delay_s = delay_s
     opt = make_optimizer(optimizer, pipe.optim_parameters())
     losses, step_times, errors = [], [], []
     for step in range(steps):
@@ -167,7 +167,7 @@ def overlap(rank: int, *, delay_s: float, kernel_s: float, is_async: bool, steps
         emulated_options=options,
         comm_options=CommOptions(bucket_bytes=1),
     )
-    pipe._node.comm.delay_s = delay_s
+    pipe.node.comm.delay_s = delay_s
     opt = torch.optim.SGD(pipe.optim_parameters(), lr=0.01)
     x, y = batch(size=8)
     xs, ys = rank_share(x, rank, world), rank_share(y, rank, world)
@@ -185,7 +185,7 @@ def overlap(rank: int, *, delay_s: float, kernel_s: float, is_async: bool, steps
     elapsed = time.perf_counter() - start
     one_step()
     timeline = pipe.timeline()
-    buckets = len(pipe._node.layout.buckets)
+    buckets = len(pipe.node.layout.buckets)
     pipe.close()
     spans = [(s.kind, s.label, s.start, s.end) for s in timeline.spans]
     return {"seconds_per_step": elapsed / (steps - 1), "spans": spans, "buckets": buckets}

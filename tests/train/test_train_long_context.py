@@ -170,7 +170,7 @@ def test_a_capacity_nothing_fits_is_refused_before_training():
     pipe = roundpipe.from_hf(llama(), devices="emulated:1", emulated_options=options)
     with pytest.raises(UsageError, match="does not fit the smallest device"):
         fit_sequences(pipe, _options(8192, precision="bf16"), Ranks())
-    assert pipe._session.closed
+    assert pipe.runtime.closed
 
 
 def test_a_model_on_the_general_path_keeps_its_layers_as_they_are():
