@@ -2,10 +2,12 @@
 rest of its state dict (in ``state.json``), and the checks a load makes of them before
 anything is loaded (docs/design.md#checkpoints).
 
-A save records every state tensor's name and whether it has its parameter's shape
-(Adam's moments do, its ``step`` does not), so a load refuses a state tensor that is
-missing, or that would meet a parameter of another shape: ``load_state_dict`` checks
-neither, and the step after it would fail or, with broadcasting, silently differ.
+A save records the optimizer's kind (its class, and the dtype of its states where it
+chooses one) and every state tensor's name and whether it has its parameter's shape
+(Adam's moments do, its ``step`` does not), so a load refuses another kind of optimizer,
+a state tensor that is missing, or one that would meet a parameter of another shape:
+``load_state_dict`` checks none of them, and the step after it would fail or, with
+broadcasting or another state format, silently differ.
 
 Tensors in the param groups (torchao keeps ``lr`` as one) are stored as tensors
 (``group/<g>/<key>``) and put back as such. A state tensor of a known subclass
@@ -72,6 +74,7 @@ def split(optimizer) -> tuple[dict[str, torch.Tensor], dict]:
             tensors[f"group/{g}/{key}"] = value
             in_groups.append(f"{g}/{key}")
     rest = {"param_groups": groups, "scalars": scalars, "tensors": shaped}
+    rest["kind"] = optimizer_kind(optimizer)
     if in_groups:
         rest["group_tensors"] = in_groups
     if subclasses:
@@ -104,6 +107,13 @@ def staged(path: Path, tensors: dict[str, torch.Tensor], rest: dict, optimizer) 
         raise
     except (KeyError, ValueError, TypeError, AttributeError, IndexError) as error:
         raise ValueError(f"{path}: the optimizer state is damaged ({error!r})") from error
+    kind, saved_kind = optimizer_kind(optimizer), rest.get("kind")  # absent before the record
+    if saved_kind is not None and saved_kind != kind:
+        raise ValueError(
+            f"{path}: the optimizer state was saved by {saved_kind}, and this optimizer is "
+            f"{kind}: its state would load without a complaint and then fail or differ at "
+            "the next step; pass an optimizer built as the saved one was"
+        )
     here = [len(group["params"]) for group in optimizer.param_groups]
     if saved != here:
         raise ValueError(
@@ -113,6 +123,14 @@ def staged(path: Path, tensors: dict[str, torch.Tensor], rest: dict, optimizer) 
     if recorded is not None:
         _check_tensors(path, tensors, recorded, _parameters(optimizer))
     return {"state": state, "param_groups": groups}
+
+
+def optimizer_kind(optimizer) -> str:
+    """The optimizer's class and, for one that keeps its states in a chosen dtype
+    (:class:`roundpipe.optim.AdamW`), that dtype: what decides the state's format."""
+    kind = f"{type(optimizer).__module__}.{type(optimizer).__qualname__}"
+    state_dtype = getattr(optimizer, "state_dtype", None)
+    return kind if state_dtype is None else f"{kind}(state_dtype={state_dtype})"
 
 
 def _check_tensors(path: Path, tensors: dict, recorded: dict, params: list) -> None:

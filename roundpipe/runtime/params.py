@@ -117,14 +117,27 @@ class ParameterStore:
                 yield entry.name, entry.master
 
     def check_trainable(self) -> None:
-        """Refuse parameters frozen or unfrozen after wrapping: masters, gradient traffic
-        and uploads were set up for ``requires_grad`` as it was then."""
+        """Refuse what PyTorch would honour and the masters cannot: parameters (or their
+        masters) frozen or unfrozen after wrapping (masters, gradient traffic and uploads
+        were set up for ``requires_grad`` as it was then), and gradient hooks on the
+        wrapped model's parameters (they never get a gradient: the masters do)."""
         for entry in self.entries.values():
-            if entry.param.requires_grad != entry.trainable:
+            master = entry.master
+            if entry.param.requires_grad != entry.trainable or (
+                master is not None and not master.requires_grad
+            ):
                 now = "frozen" if entry.trainable else "unfrozen"
                 raise RuntimeError(
-                    f"parameter {entry.name} was {now} after the model was wrapped in "
-                    "RoundPipe; set requires_grad before wrapping it"
+                    f"parameter {entry.name} (or its master in optim_parameters()) was "
+                    f"{now} after the model was wrapped in RoundPipe; set requires_grad "
+                    "before wrapping it"
+                )
+            if _has_grad_hooks(entry.param):
+                raise RuntimeError(
+                    f"a gradient hook is registered on parameter {entry.name} of the "
+                    "wrapped model, which never receives a gradient under RoundPipe (its "
+                    "master does): register it on the master, pipe.optim_parameters() "
+                    "(pipe.optim_named_parameters() by name), and remove this one"
                 )
 
     def trainable(self, uid: int) -> bool:
@@ -342,3 +355,11 @@ def _add_unscaled(acc: torch.Tensor, grad: torch.Tensor, scale: float | None) ->
             a.add_(s)
         else:
             a.add_(s, alpha=alpha)
+
+
+def _has_grad_hooks(param: torch.Tensor) -> bool:
+    """Whether ``param`` has a ``register_hook`` or ``register_post_accumulate_grad_hook``
+    hook (torch keeps them in these dicts, ``None`` until the first one)."""
+    return bool(getattr(param, "_backward_hooks", None)) or bool(
+        getattr(param, "_post_accumulate_grad_hooks", None)
+    )

@@ -89,3 +89,39 @@ def test_an_optimizer_whose_parameters_come_in_another_order_is_refused(saved):
             pipe.load_checkpoint(saved, optimizer)
     message = str(caught.value)
     assert "exp_avg" in message and "same order" in message, message
+
+
+@pytest.mark.parametrize(
+    "other",
+    [
+        pytest.param(lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9), id="SGD"),
+        pytest.param(lambda params: torch.optim.Adam(params), id="Adam"),
+    ],
+)
+def test_an_optimizer_of_another_kind_is_refused_before_anything_changes(saved, other):
+    # AdamW's state loads into SGD without a complaint from load_state_dict, and the
+    # step then fails (or, for Adam, silently applies no weight decay): refused by name.
+    with new_pipe(5) as pipe:
+        optimizer = other(pipe.optim_parameters())
+        before = {k: v.clone() for k, v in pipe.state_dict().items()}
+        with pytest.raises(ValueError) as caught:
+            pipe.load_checkpoint(saved, optimizer)
+        assert all(torch.equal(v, pipe.state_dict()[k]) for k, v in before.items())
+        assert optimizer.state_dict()["state"] == {}
+    message = str(caught.value)
+    assert "torch.optim.adamw.AdamW" in message and type(optimizer).__name__ in message, message
+
+
+def test_optimizer_states_of_another_dtype_are_refused(tmp_path):
+    pytest.importorskip("torchao")
+    from roundpipe.optim import make_adamw
+
+    path = tmp_path / "ckpt"
+    with new_pipe(0) as pipe:
+        pipe.save_checkpoint(path, make_adamw(pipe.optim_parameters(), lr=0.1, states="bf16"))
+    with new_pipe(5) as pipe:
+        fp32 = make_adamw(pipe.optim_parameters(), lr=0.1, states="fp32")
+        with pytest.raises(ValueError, match=r"state_dtype=torch.bfloat16"):
+            pipe.load_checkpoint(path, fp32)
+        again = make_adamw(pipe.optim_parameters(), lr=0.1, states="bf16")
+        pipe.load_checkpoint(path, again)  # the kind it was saved with loads
