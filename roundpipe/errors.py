@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import traceback
 from collections.abc import Iterator
+from typing import Literal
 
 import torch
 
@@ -144,7 +145,7 @@ class failure_site:  # noqa: N801 - used like a function: ``with failure_site(..
     def __enter__(self) -> None:
         return None
 
-    def __exit__(self, exc_type, exc: BaseException | None, traceback) -> bool:
+    def __exit__(self, exc_type, exc: BaseException | None, traceback) -> Literal[False]:
         if exc is None:
             return False
         located = locate(exc, self.where)

@@ -16,6 +16,7 @@ import datetime
 import sys
 import time
 from collections.abc import Callable
+from typing import TypedDict
 
 import torch
 import torch.distributed as dist
@@ -40,6 +41,14 @@ class PeerFailure(RoundPipeError):
     each was doing; for ranks out of step, what each was doing."""
 
 
+class _GroupOptions(TypedDict, total=False):
+    """``dist.new_group``'s options of this node's groups."""
+
+    backend: str
+    use_local_synchronization: bool
+    timeout: datetime.timedelta
+
+
 class Comm:
     """This node's side of the collectives of one model (docs/design.md#several-nodes)."""
 
@@ -53,7 +62,7 @@ class Comm:
         ranks = dist.get_process_group_ranks(group)
         self.rank = dist.get_rank(group)
         self.world = len(ranks)
-        kwargs = {"backend": "gloo", "use_local_synchronization": True}
+        kwargs: _GroupOptions = {"backend": "gloo", "use_local_synchronization": True}
         if timeout is not None:
             kwargs["timeout"] = timeout
         self._caller = dist.new_group(ranks, **kwargs)
@@ -62,7 +71,8 @@ class Comm:
         self._staging = staging_device if backend == "nccl" else None
         self._buckets = self._optimizer
         if backend == "nccl":
-            self._buckets = dist.new_group(ranks, **{**kwargs, "backend": "nccl"})
+            nccl: _GroupOptions = {**kwargs, "backend": "nccl"}
+            self._buckets = dist.new_group(ranks, **nccl)
         self._rs_supported = True
         self._global_ranks = ranks
         self.broken: str | None = None
@@ -207,9 +217,9 @@ class Comm:
             check_in(self._global_ranks, self.rank, label, wait_s=0)
             raise
         except Exception as exc:
-            failure = peer_failure(label, self.rank, self._global_ranks, exc)
-            self.broken = f"{label}: {failure.cause}"
-            raise failure from exc
+            error = peer_failure(label, self.rank, self._global_ranks, exc)
+            self.broken = f"{label}: {error.cause}"
+            raise error from exc
 
 
 RELEASE_WAIT_S = 1.0

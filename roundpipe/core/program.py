@@ -44,7 +44,8 @@ class DeviceOp:
     chunk: int | None = None
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "kind", OpKind(self.kind))
+        # a lookup by value; mypy reads it as a call of the members' three-field __new__
+        object.__setattr__(self, "kind", OpKind(self.kind))  # type: ignore[call-arg, arg-type]
 
     @property
     def stream(self) -> StreamName:
@@ -76,7 +77,8 @@ class DeviceOp:
         match = _OP_LINE.fullmatch(text.strip())
         if match is None:
             raise ValueError(f"cannot parse the op {text!r}: expected {_OP_FORM}")
-        kind, stream = OpKind(match["kind"]), StreamName(match["stream"])
+        kind = OpKind(match["kind"])  # type: ignore[call-arg]  # a lookup by value, as above
+        stream = StreamName(match["stream"])
         if stream is not kind.stream:
             raise ValueError(f"op {text!r}: {kind} runs on {kind.stream}, not {stream}")
         handoffs = tuple(parse_keys(match["handoffs"] or ""))
@@ -303,6 +305,7 @@ class _Builder:
                 grad = self.upload(OpKind.UPLOAD_GRAD, m, InputGrad(job.layers.stop, m))
             grad = self.compute(OpKind.BACKWARD, m, layers, (graph, grad))
         if job.layers.start > 0:
+            assert grad is not None
             self.download(grad, m, InputGrad(job.layers.start, m))
 
     def finish(self, writes_back: bool) -> None:

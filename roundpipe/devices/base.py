@@ -11,7 +11,7 @@ from __future__ import annotations
 import abc
 import contextlib
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -129,6 +129,8 @@ class Event(abc.ABC):
 class Stream(abc.ABC):
     device: Device
     name: str
+    error: BaseException | None
+    """The sticky error: the first op that failed; later ops are skipped until cleared."""
 
     @abc.abstractmethod
     def submit(self, fn: Callable[[], None], info: OpInfo) -> None:
@@ -148,7 +150,7 @@ class Device(abc.ABC):
 
     index: int
     torch_device: torch.device
-    streams: dict[StreamName, Stream]
+    streams: Mapping[StreamName, Stream]
 
     @property
     def compute(self) -> Stream:
@@ -210,7 +212,7 @@ class Device(abc.ABC):
         """Tell the allocator ``tensor`` is used by ``stream`` (``record_stream`` on CUDA)."""
 
     @abc.abstractmethod
-    def compute_scope(self, info: OpInfo) -> contextlib.AbstractContextManager[None]:
+    def compute_scope(self, info: OpInfo) -> contextlib.AbstractContextManager[object]:
         """Context for running layer code of this device inside a compute op."""
 
     @abc.abstractmethod
@@ -260,7 +262,7 @@ class Device(abc.ABC):
 class DevicePool(abc.ABC):
     """The devices jobs are dispatched to, round-robin."""
 
-    devices: list[Device]
+    devices: Sequence[Device]
     kind: str  # "cuda" | "emulated"
     host_blocks: HostBlockPool
     """The page-locked host blocks downloads land in (bounded, reused)."""

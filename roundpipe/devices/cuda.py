@@ -75,6 +75,8 @@ class _CudaTimer(Timer):
 
 
 class _CudaStream(Stream):
+    device: CudaDevice
+
     def __init__(self, device: CudaDevice, name: str) -> None:
         self.device = device
         self.name = name
@@ -141,7 +143,7 @@ class CudaDevice(Device):
         assert isinstance(stream, _CudaStream)
         tensor.record_stream(stream.stream)
 
-    def compute_scope(self, info: OpInfo) -> contextlib.AbstractContextManager[None]:
+    def compute_scope(self, info: OpInfo) -> contextlib.AbstractContextManager[object]:
         # Random kernels draw their offsets from the GPU's generator when launched.
         # Workers sharing one GPU (e.g. "cuda:0,0") must not interleave "seed the
         # generator, then launch" (random_scope), so those launches hold the GPU's lock.

@@ -16,6 +16,7 @@ import math
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol, cast
 
 import torch
 
@@ -73,9 +74,15 @@ class _View:
             self.pool._released(self.block)
 
 
+class _ViewType(Protocol):
+    """A ctypes array type over a block that is also a :class:`_View` (:func:`_view_type`)."""
+
+    def from_address(self, address: int) -> _View: ...
+
+
 @functools.cache
-def _view_type(size: int) -> type:
-    return type("HostBlockView", (_View, ctypes.c_ubyte * size), {})
+def _view_type(size: int) -> _ViewType:
+    return cast(_ViewType, type("HostBlockView", (_View, ctypes.c_ubyte * size), {}))
 
 
 class HostBlockPool:
@@ -178,13 +185,11 @@ class HostBlockPool:
                 self._cache(block)
                 continue
             uses, block.uses = block.uses, []
-            events: list | None = []
-            for stream in uses:
-                try:
-                    events.append(stream.record())
-                except Exception:  # noqa: BLE001 - cannot order the reuse: never reuse it
-                    events = None
-                    break
+            events: list | None
+            try:
+                events = [stream.record() for stream in uses]
+            except Exception:  # noqa: BLE001 - cannot order the reuse: never reuse it
+                events = None
             self._pending.append((block, events))
         if self._pending:
             still = []

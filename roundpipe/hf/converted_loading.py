@@ -15,6 +15,7 @@ quantized in place (docs/design.md#4-bit-bases).
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING, cast
 
 import torch
 from torch import nn
@@ -24,8 +25,11 @@ from .nf4_experts import SUPPORTED, quantize_experts_module
 from .safetensors_io import CheckpointError
 from .structure import named_modules_in_decoder_layers
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
-def has_conversion(model: nn.Module) -> bool:
+
+def has_conversion(model: PreTrainedModel) -> bool:
     """Whether transformers converts this model's checkpoint tensors while loading."""
     try:
         from transformers.conversion_mapping import get_model_conversion_mapping
@@ -34,12 +38,14 @@ def has_conversion(model: nn.Module) -> bool:
     return bool(get_model_conversion_mapping(model, add_legacy=False))
 
 
-def load_converted(directory: Path, model_class: type, torch_dtype: torch.dtype) -> nn.Module:
+def load_converted(
+    directory: Path, model_class: type[PreTrainedModel], torch_dtype: torch.dtype
+) -> PreTrainedModel:
     """The model of ``directory`` loaded by transformers (``model_class.from_pretrained``),
     refused if a tensor the model needs is missing or one is left over."""
-    model, info = model_class.from_pretrained(
-        directory, dtype=torch_dtype, output_loading_info=True
-    )
+    loaded = model_class.from_pretrained(directory, dtype=torch_dtype, output_loading_info=True)
+    # with output_loading_info, transformers returns the model and the loading info
+    model, info = cast("tuple[PreTrainedModel, dict]", loaded)
     missing, unexpected = info.get("missing_keys") or [], info.get("unexpected_keys") or []
     mismatched = info.get("mismatched_keys") or []
     if missing or unexpected or mismatched:

@@ -15,6 +15,7 @@ import contextlib
 import copy
 import functools
 import inspect
+from typing import TYPE_CHECKING, cast
 
 import torch
 from torch import nn
@@ -33,6 +34,9 @@ from .router import (
     router_class,
     router_loss_of,
 )
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 LOSS_CHUNK_TOKENS = 4096
 
@@ -91,6 +95,7 @@ class DecoderLayer(nn.Module):
             positions = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
         padding = None if self._padding_only_trails(attention_mask, labels) else attention_mask
         segments = self._segments(padding, position_ids, hidden)
+        attention: contextlib.AbstractContextManager[None]
         if segments is None:
             mask = self._mask(hidden, padding, positions)
             attention = contextlib.nullcontext()
@@ -128,7 +133,7 @@ class DecoderLayer(nn.Module):
         """The :class:`~.attention.Segments` to pass as the mask when attention can run
         without an ``S x S`` one (docs/design.md#long-context), else ``None``."""
         kind = self._attention_kind()
-        dropout = self.training and getattr(self.config, "attention_dropout", 0.0)
+        dropout: float = self.training and getattr(self.config, "attention_dropout", 0.0)
         if kind is None or attention_mask is not None or dropout:
             return None  # transformers' own masks (the pieces draw no dropout)
         window = None
@@ -189,13 +194,14 @@ class HeadLayer(nn.Module):
             hidden, labels, self.chunk_tokens, weight.shape[0], F.linear, weight, bias
         )
         if router_sums is not None:  # weighted by this microbatch's label tokens
+            assert self.router_loss is not None
             count = (labels[:, 1:] != IGNORE_INDEX).sum()
             total = total + self.router_loss.coef * aux_loss(router_sums, self.router_loss) * count
         return total
 
 
 def decoder_layers(
-    model: nn.Module, family: Family, chunk_tokens: int = LOSS_CHUNK_TOKENS
+    model: PreTrainedModel, family: Family, chunk_tokens: int = LOSS_CHUNK_TOKENS
 ) -> nn.Sequential:
     """``model`` (a supported ``*ForCausalLM``) as a sequence of RoundPipe layers."""
     inner = model.get_decoder() if hasattr(model, "get_decoder") else model.model
@@ -207,7 +213,7 @@ def decoder_layers(
             f"{type(model).__name__} asks for the router loss (output_router_logits=True) "
             "but transformers records no router_logits for it"
         )
-    layers = [EmbedLayer(inner.embed_tokens)]
+    layers: list[nn.Module] = [EmbedLayer(inner.embed_tokens)]
     for index, layer in enumerate(inner.layers[: config.num_hidden_layers]):
         routed = routers is not None and hook_routers(layer, *routers)
         kind = family.mask_kind(config, index)
@@ -227,4 +233,5 @@ def model_layers(model: nn.Module, chunk_tokens: int = LOSS_CHUNK_TOKENS) -> nn.
     family = own_adapter(model)
     if family is None:
         return replayed_layers(model, chunk_tokens)
-    return decoder_layers(model, family, chunk_tokens)
+    # a family's own class (``own_adapter``): a transformers model
+    return decoder_layers(cast("PreTrainedModel", model), family, chunk_tokens)

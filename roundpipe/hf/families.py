@@ -47,4 +47,4 @@ FAMILIES = {
 def own_adapter(model) -> Family | None:
     """The :class:`Family` whose adapter runs ``model`` (a ``*ForCausalLM``), or ``None``
     for the general path."""
-    return FAMILIES.get(getattr(getattr(model, "config", None), "model_type", None))
+    return FAMILIES.get(getattr(getattr(model, "config", None), "model_type", ""))

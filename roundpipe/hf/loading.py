@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import re
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -31,6 +32,9 @@ from .safetensors_io import (
     read_into,
 )
 from .structure import UnsupportedModel, check_config, find_structure, text_model
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 _ALWAYS_IGNORED = (r"rotary_emb\.inv_freq",)
 """Checkpoint tensors transformers ignores for every model: older checkpoints saved the
@@ -102,7 +106,9 @@ def _check_quantize(quantize, lora) -> None:
         check_target_parameters(lora)
 
 
-def plan_pretrained(path, *, torch_dtype=torch.bfloat16) -> tuple[nn.Module, list[LoadItem] | None]:
+def plan_pretrained(
+    path, *, torch_dtype=torch.bfloat16
+) -> tuple[PreTrainedModel, list[LoadItem] | None]:
     """What :func:`from_pretrained` checks and plans before it reads a tensor: the model
     of directory ``path`` on the ``meta`` device (no memory) and the checkpoint tensors
     that fill each of its tensors (``None``: a layout transformers converts while
@@ -159,7 +165,7 @@ def _refuse_quantized(directory: Path, config) -> None:
     )
 
 
-def _empty_model(directory: Path, config, torch_dtype: torch.dtype) -> nn.Module:
+def _empty_model(directory: Path, config, torch_dtype: torch.dtype) -> PreTrainedModel:
     """The model of ``config`` with its parameters on the meta device (no memory). A
     config with a vision tower builds the vision-language class, whose names its
     checkpoint has."""
@@ -280,11 +286,13 @@ def _fill(model: nn.Module, items: list[LoadItem], mappings: FileMappings | None
         for name in target.names:  # tied names get the same tensor
             module_name, _, attr = name.rpartition(".")
             module = model.get_submodule(module_name)
-            registry = module._parameters if target.is_parameter else module._buffers
+            registry: dict[str, Any] = (
+                module._parameters if target.is_parameter else module._buffers
+            )
             registry[attr] = tensor
 
 
-def _recompute_buffers(model: nn.Module) -> None:
+def _recompute_buffers(model: PreTrainedModel) -> None:
     """Compute the non-persistent buffers (the rotary tables, ``inv_freq``; Gemma's
     embedding scale), which are not in the checkpoint: by building their module again
     on the host from its config, or, for modules without one, the whole model again with
@@ -309,7 +317,7 @@ def _recompute_buffers(model: nn.Module) -> None:
         raise RuntimeError(f"tensors left unloaded on the meta device: {left}")
 
 
-def _with_host_buffers(model: nn.Module) -> nn.Module:
+def _with_host_buffers(model: PreTrainedModel) -> PreTrainedModel:
     from accelerate import init_empty_weights
 
     dtype = next(model.parameters()).dtype

@@ -41,7 +41,7 @@ per-head norms of Qwen3 see ``(batch, S, heads, head_dim)``)."""
 def tile_tokenwise(layer: nn.Module) -> None:
     """:func:`tile` the :data:`TOKENWISE` submodules of a decoder layer."""
     for name in TOKENWISE:
-        module = layer
+        module: nn.Module | None = layer
         for part in name.split("."):
             module = getattr(module, part, None)
         if isinstance(module, nn.Module):

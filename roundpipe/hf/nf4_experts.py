@@ -28,6 +28,7 @@ import math
 import threading
 import weakref
 from dataclasses import dataclass, replace
+from typing import cast
 
 import torch
 from torch import nn
@@ -61,6 +62,8 @@ class NF4Experts(nn.Module):
     dequantizes the experts it is indexed with."""
 
     _nf4_weights: tuple[str, ...] = ()
+    _nf4_shapes: dict[str, tuple[int, ...]]  # set by _make_nf4, with compute_dtype
+    compute_dtype: torch.dtype
 
     def forward(self, *args, **kwargs):
         """The original class's forward (its experts implementation included), with the
@@ -140,7 +143,7 @@ class _Again:
     again: functools.partial
     size: torch.Size
     stride: tuple[int, ...]
-    offset: int
+    offset: int | torch.SymInt
 
 
 def _stacked(packed, absmax, shape, dtype) -> torch.Tensor:
@@ -171,7 +174,9 @@ def _pack(made: dict[int, _Made], tensor: torch.Tensor):
     if not tensor.numel() or tensor.is_meta:
         return tensor
     entry = made.get(tensor.untyped_storage().data_ptr())
-    weight = entry.weight() if entry is not None else None
+    if entry is None:
+        return tensor
+    weight = entry.weight()
     if weight is None or weight.untyped_storage().data_ptr() != tensor.untyped_storage().data_ptr():
         return tensor
     return _Again(entry.again, tensor.size(), tensor.stride(), tensor.storage_offset())
@@ -196,7 +201,7 @@ def nf4_experts_class(base: type[nn.Module]) -> type[nn.Module]:
     quantized weights are properties that dequantize. Registered in this module under
     its name (``NF4Qwen3MoeExperts``, …) so that pickle finds it."""
     weights = SUPPORTED[base.__name__]
-    namespace = {name: _weight_property(name) for name in weights}
+    namespace: dict[str, object] = {name: _weight_property(name) for name in weights}
     namespace.update(__module__=__name__, _nf4_weights=weights)
     cls = type(f"NF4{base.__name__}", (NF4Experts, base), namespace)
     globals()[cls.__name__] = cls
@@ -236,7 +241,7 @@ def quantize_experts_module(module: nn.Module) -> nn.Module:
     NF4 subclass in place, each expert's weights quantized as they are (in their own
     dtype); its other parameters are kept. Returns ``module``."""
     names = _weights_of(module)
-    weights = {name: module._parameters[name].detach() for name in names}
+    weights = {name: cast(nn.Parameter, module._parameters[name]).detach() for name in names}
     _make_nf4(module, weights[names[0]].dtype)
     for name, weight in weights.items():
         rows = [quantize_nf4(expert) for expert in weight]
@@ -324,9 +329,11 @@ def nf4_expert_modules(model: nn.Module) -> dict[str, NF4Experts]:
 def _make_nf4(module: nn.Module, dtype: torch.dtype) -> None:
     """Turn ``module`` into its NF4 subclass in place (its other attributes, biases and
     config stay as they are)."""
-    module.__class__ = nf4_experts_class(type(module))
-    module.compute_dtype = dtype
-    module._nf4_shapes = {}
+    # a class is hashable; mypy checks type[Module] against Hashable as an instance
+    module.__class__ = nf4_experts_class(type(module))  # type: ignore[arg-type]
+    nf4 = cast(NF4Experts, module)
+    nf4.compute_dtype = dtype
+    nf4._nf4_shapes = {}
 
 
 def _set_nf4(module, name, packed, absmax, shape) -> None:

@@ -204,7 +204,8 @@ def _cpu_level_pairs() -> torch.Tensor:
 
 @functools.cache
 def _midpoint_tables(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    return _copied_to(device, *_cpu_midpoint_tables())
+    below, inside = _copied_to(device, *_cpu_midpoint_tables())
+    return below, inside
 
 
 @functools.cache

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import warnings
+from typing import cast
 
 import peft
 from peft.tuners.lora import Linear as LoraLinear
@@ -57,7 +58,7 @@ def lora_config_for_nf4(lora: peft.LoraConfig, model) -> peft.LoraConfig:
     "all-linear"`` is resolved on ``model`` before its linears are quantized, to the
     names peft picks on the unquantized model."""
     config = copy.copy(lora)
-    config = _maybe_include_all_linear_layers(config, model)
+    config = cast(peft.LoraConfig, _maybe_include_all_linear_layers(config, model))  # the same
     config._custom_modules = dict(lora._custom_modules or {})
     config._register_custom_module({NF4Linear: NF4LoraLinear})
     return config

@@ -12,6 +12,7 @@ import contextlib
 import threading
 from collections.abc import Iterator, MutableMapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -73,8 +74,8 @@ class Recorder:
         self.arity = arity
         self.calls: list[tuple[tuple, dict]] = []
         self.returned: list[Passed] = []
-        self.norm_input = None
-        self.norm_output = None
+        self.norm_input: Any = None  # what the decoder passed its final norm
+        self.norm_output: Any = None
 
     def layer(self, index: int, args: tuple, kwargs: dict) -> Passed:
         if index != len(self.calls):
@@ -158,8 +159,9 @@ def carried(hidden, recorder: Recorder, labels, model_type: str) -> Carried:
             values.append(outputs.get(id(value)) or _travelling(value, model_type))
         return index[id(value)]
 
-    calls = []
+    calls: list[LayerCall] = []
     for args, kwargs in recorder.calls:
+        at: int | str
         if args:
             at, rest, words = 0, args[1:], kwargs
         else:

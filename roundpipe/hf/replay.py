@@ -25,6 +25,7 @@ from __future__ import annotations
 import functools
 import re
 from dataclasses import replace
+from typing import TYPE_CHECKING, cast
 
 import torch
 from torch import nn
@@ -54,6 +55,9 @@ from .structure import (
     twin_along,
 )
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
 _UNPACKING = r"not enough values to unpack \(expected (\d+), got 1\)"
 
 
@@ -75,7 +79,7 @@ class Prologue(nn.Module):
             children[structure.norm_name] = NormStub()
         base = getattr(causal_lm, structure.base_name)
         self.base = twin_along(base, structure.decoder_path, children)
-        self.model_type = causal_lm.config.model_type
+        self.model_type: str = cast("PreTrainedModel", causal_lm).config.model_type
         self.has_norm = structure.norm_name is not None
         self.arity = 1
         """How many values the decoder code unpacks from a layer's output (found by
@@ -201,7 +205,7 @@ class ReplayedLayer(nn.Module):
         if call.hidden_at == 0:
             out = self.layer(state.hidden, *args, **kwargs)
         else:
-            out = self.layer(*args, **{call.hidden_at: state.hidden}, **kwargs)
+            out = self.layer(*args, **{cast(str, call.hidden_at): state.hidden}, **kwargs)
         for slot, container in opened.items():
             values[slot] = values[slot].after(container, self.keep_writes)
         return after_layer(replace(state, values=tuple(values)), out, self.model_type)
@@ -244,7 +248,7 @@ class ReplayedHead(nn.Module):
             causal_lm, {structure.base_name: _BaseStub(getattr(causal_lm, structure.base_name))}
         )
         self.chunk_tokens = chunk_tokens
-        self.vocab_size = causal_lm.get_output_embeddings().weight.shape[0]
+        self.vocab_size = cast("PreTrainedModel", causal_lm).get_output_embeddings().weight.shape[0]
 
     def forward(self, state: Carried):
         hidden = state.hidden if self.norm is None else self.norm(state.hidden)

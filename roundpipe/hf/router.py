@@ -13,6 +13,7 @@ import contextlib
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Protocol, cast
 
 import torch
 from torch import nn
@@ -30,12 +31,21 @@ class RouterLoss:
     coef: float
 
 
+class _MoECausalLM(Protocol):
+    """The router settings a MoE ``*ForCausalLM`` keeps as plain attributes."""
+
+    num_experts: int
+    num_experts_per_tok: int
+    router_aux_loss_coef: float
+
+
 def router_loss_of(model: nn.Module) -> RouterLoss | None:
     """The router loss ``model`` (a MoE ``*ForCausalLM``) adds to its loss, if any."""
     if not getattr(model.config, "output_router_logits", False):
         return None
+    moe = cast(_MoECausalLM, model)
     return RouterLoss(
-        int(model.num_experts), int(model.num_experts_per_tok), float(model.router_aux_loss_coef)
+        int(moe.num_experts), int(moe.num_experts_per_tok), float(moe.router_aux_loss_coef)
     )
 
 

@@ -14,6 +14,7 @@ import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 import torch
 
@@ -163,7 +164,8 @@ def read_into(stored: StoredTensor, out: torch.Tensor) -> None:
 def _read_bytes(stored: StoredTensor, out: torch.Tensor) -> None:
     if stored.nbytes == 0:
         return
-    view = memoryview(out.reshape(-1).view(torch.uint8).numpy())
+    # numpy's stubs give arrays the buffer protocol from Python 3.12 only
+    view = memoryview(out.reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
     with open(stored.path, "rb", buffering=0) as f:
         f.seek(stored.offset)
         done = 0
@@ -191,7 +193,10 @@ class FileMappings:
         storage = self._storages.get(stored.path)
         if storage is None:
             nbytes = os.path.getsize(stored.path)
-            storage = torch.UntypedStorage.from_file(str(stored.path), shared=False, nbytes=nbytes)
+            storage = cast(
+                torch.UntypedStorage,  # the stubs type from_file as any storage class's
+                torch.UntypedStorage.from_file(str(stored.path), shared=False, nbytes=nbytes),
+            )
             setattr(storage, MAPPED_FILE_ATTR, str(stored.path))
             self._storages[stored.path] = storage
         tensor = torch.empty(0, dtype=stored.dtype)

@@ -13,8 +13,12 @@ from __future__ import annotations
 import copy
 import re
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, cast
 
 from torch import nn
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 NORM_NAMES = (
     "norm", "norm_f", "final_layernorm", "final_norm", "ln_f", "final_layer_norm", "embedding_norm",
@@ -57,13 +61,13 @@ def text_model(model: nn.Module) -> nn.Module:
     """The causal LM that trains on text: ``model``, or the one inside it when a
     vision-language model keeps a whole causal LM as its ``language_model`` (Llama 4),
     with the same LM head."""
-    inner = getattr(model, "language_model", None)
+    inner: PreTrainedModel | None = getattr(model, "language_model", None)
     if (
         isinstance(inner, nn.Module)
         and hasattr(inner, "get_output_embeddings")
         and hasattr(model, "get_output_embeddings")
         and inner.get_output_embeddings() is not None
-        and inner.get_output_embeddings() is model.get_output_embeddings()
+        and inner.get_output_embeddings() is cast("PreTrainedModel", model).get_output_embeddings()
     ):
         return inner
     return model
@@ -80,13 +84,14 @@ def find_structure(causal_lm: nn.Module) -> Structure:
         (n for n in (prefix, "model") if isinstance(getattr(causal_lm, n, None), nn.Module)),
         prefix,
     )  # Llama 4's causal LM keeps its base model under "model", not its prefix
-    base = getattr(causal_lm, base_name, None)
+    base: PreTrainedModel | None = getattr(causal_lm, base_name, None)
     if not isinstance(base, nn.Module) or not hasattr(causal_lm, "get_output_embeddings"):
         raise UnsupportedModel(
             f"model_type {model_type!r}: {type(causal_lm).__name__} has no base model "
             f"{base_name!r} and LM head; pass a *ForCausalLM or *ForConditionalGeneration"
         )
-    decoder = causal_lm.get_decoder() if hasattr(causal_lm, "get_decoder") else base
+    lm = cast("PreTrainedModel", causal_lm)
+    decoder = lm.get_decoder() if hasattr(lm, "get_decoder") else base
     if decoder is causal_lm:
         decoder = base.get_decoder() if hasattr(base, "get_decoder") else base
     path = _path_to(base, decoder)
@@ -103,7 +108,7 @@ def find_structure(causal_lm: nn.Module) -> Structure:
             f"{type(decoder).__name__} (its children: {children})"
         )
     count = getattr(text_config(config), "num_hidden_layers", None) or len(
-        decoder._modules[layers_name]
+        cast(nn.ModuleList, decoder._modules[layers_name])
     )
     return Structure(base_name, path, layers_name, _norm_name(decoder, layers_name), count)
 
@@ -145,7 +150,8 @@ def _norm_name(decoder: nn.Module, layers_name: str) -> str | None:
 
 def decoder_layer_modules(causal_lm: nn.Module, structure: Structure) -> list[nn.Module]:
     decoder = decoder_of(getattr(causal_lm, structure.base_name), structure)
-    return list(decoder._modules[structure.layers_name])[: structure.num_layers]
+    layers = cast(nn.ModuleList, decoder._modules[structure.layers_name])
+    return list(layers)[: structure.num_layers]
 
 
 def decoder_layers_of(model: nn.Module) -> list[nn.Module]:
@@ -170,7 +176,7 @@ def text_config(config):
 def decoder_of(base: nn.Module, structure: Structure) -> nn.Module:
     module = base
     for name in structure.decoder_path:
-        module = module._modules[name]
+        module = cast(nn.Module, module._modules[name])  # a name on a path to a module
     return module
 
 
@@ -178,7 +184,7 @@ def packing_refusal(causal_lm: nn.Module) -> str | None:
     """Why packed sequences (position ids restarting per example) cannot train this
     model, or ``None``: token mixers that carry a state along the sequence would carry
     it from one example into the next (transformers' own models do too)."""
-    model_type = causal_lm.config.model_type
+    model_type = cast("PreTrainedModel", causal_lm).config.model_type
     if model_type in PACKING_REFUSED:
         reason = PACKING_REFUSED[model_type]
         return f"model_type {model_type!r} cannot train packed sequences: {reason}"
@@ -204,7 +210,7 @@ def adapted_head_refusal(causal_lm: nn.Module) -> str | None:
     """Why ``causal_lm`` cannot train with peft on its output layer (LoRA or
     ``modules_to_save`` on ``lm_head``), or ``None``: the head's loss is computed in
     chunks from the layer's weight, so an adapter there would silently not train."""
-    head = causal_lm.get_output_embeddings()
+    head = cast("PreTrainedModel", causal_lm).get_output_embeddings()
     adapters = getattr(head, "lora_A", None)
     if (adapters is not None and len(adapters) > 0) or hasattr(head, "modules_to_save"):
         kind = "modules_to_save" if hasattr(head, "modules_to_save") else "LoRA"
@@ -231,4 +237,5 @@ def twin_along(root: nn.Module, path: tuple[str, ...], children: dict[str, nn.Mo
     replaced (every module on the way a twin too)."""
     if not path:
         return twin(root, children)
-    return twin(root, {path[0]: twin_along(root._modules[path[0]], path[1:], children)})
+    child = cast(nn.Module, root._modules[path[0]])  # a name on a path to a module
+    return twin(root, {path[0]: twin_along(child, path[1:], children)})

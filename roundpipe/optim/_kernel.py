@@ -275,7 +275,8 @@ def _build():
             os.replace(built, library)  # atomic: concurrent builders agree
     loaded = ctypes.CDLL(str(library))
     p, i32, i64, f32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
-    options = [f32, f32, f32, i32, f32, i32, f32, f32, f32, f32, i32, ctypes.c_uint64]
+    options: list[type[ctypes._SimpleCData]] = [f32, f32, f32, i32, f32, i32, f32, f32, f32]
+    options += [f32, i32, ctypes.c_uint64]
     state = [p, p, p, p, p]  # codes, scale, qmap, code table, threshold table
     loaded.roundpipe_adamw8bit.argtypes = [p, i32, p, i32, i64, i64, *state, *state]
     loaded.roundpipe_adamw8bit.argtypes += [i32, i32, i32, *options]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Iterable
+from typing import TypedDict
 
 import torch
 
@@ -15,6 +16,13 @@ STATES = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": None}
 8-bit format, a uint8 code and one fp32 scale per 256 values)."""
 
 MASTERS = {torch.float32: "fp32", torch.bfloat16: "bf16"}
+
+
+class _Options(TypedDict):
+    lr: float
+    betas: tuple[float, float]
+    eps: float
+    weight_decay: float
 
 
 def make_adamw(
@@ -63,7 +71,7 @@ def make_adamw(
             "pass bf16 masters (RoundPipe(..., optim_dtype=torch.bfloat16)) or "
             "stochastic_round=False"
         )
-    options = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay}
+    options: _Options = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay}
     if states == master and not stochastic_round:
         try:
             return torch.optim.AdamW(groups, **options, fused=True)
@@ -79,7 +87,7 @@ def make_adamw(
 def _master_dtype(groups: list) -> str:
     """The masters' dtype ("fp32" or "bf16"; "fp32" for no parameters); raises
     ``ValueError`` for another dtype or a mix."""
-    dtypes = set()
+    dtypes: set[torch.dtype] = set()
     for group in groups:
         tensors = group["params"] if isinstance(group, dict) else [group]
         if isinstance(tensors, torch.Tensor):

@@ -29,6 +29,8 @@ walks the parameters:
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 import torch
 from torch import Tensor
 from torchao.optim import AdamW8bit as _TorchaoAdamW8bit
@@ -67,9 +69,22 @@ def round_bf16_stochastic(x: Tensor, bits: Tensor) -> Tensor:
 _compiled_adam = torch.compile(single_param_adam, fullgraph=True, dynamic=False)
 
 
-class _LeanSteps:
+if TYPE_CHECKING:
+    _OptimizerBase = torch.optim.Optimizer
+else:
+    _OptimizerBase = object
+
+
+class _LeanSteps(_OptimizerBase):
     """The step shared by :class:`AdamW` and :class:`AdamW8bit` (a mixin over torchao's
     ``_AdamBase``, which provides the groups, ``_new_buffer`` and the options)."""
+
+    if TYPE_CHECKING:  # what torchao's _AdamBase provides beyond the Optimizer
+        bf16_stochastic_round: bool
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None: ...
+
+        def _new_buffer(self, p: Tensor, signed: bool) -> Tensor: ...
 
     def _init_seed(self, seed: int | None) -> None:
         self.seed = torch.initial_seed() if seed is None else int(seed)
@@ -120,10 +135,11 @@ class _LeanSteps:
         state["step"] += 1
         shape = state["exp_avg"].shape
         target = param.detach().view(shape)
+        assert param.grad is not None
         grad = param.grad.reshape(shape)
         rounds = self.bf16_stochastic_round and param.dtype is torch.bfloat16
         key = _mix(self.seed, index, int(state["step"].item())) if rounds else None
-        args = (state["step"], state["exp_avg"], state["exp_avg_sq"])
+        args: tuple[Tensor | float, ...] = (state["step"], state["exp_avg"], state["exp_avg_sq"])
         args += (group["lr"], *group["betas"], group["weight_decay"], group["eps"])
         if self._kernel_step(target, grad, *args, key):
             return
@@ -131,7 +147,7 @@ class _LeanSteps:
         # the result is rounded here, from a generator of the optimizer's own.
         work = target.float() if rounds else target
         self._compiled_step(work, grad, *args)
-        if rounds:
+        if key is not None:  # rounds
             generator = torch.Generator().manual_seed(key)
             bits = torch.randint(0, 1 << 16, shape, dtype=torch.int32, generator=generator)
             target.copy_(round_bf16_stochastic(work, bits))  # integer ops: exact eagerly

@@ -140,7 +140,8 @@ def compiled_adamw8bit_step(
     pairs = [(s, tables(tuple(s.qmap.tolist()))) for s in (exp_avg, exp_avg_sq)]
     states = [(s.codes, s.scale, s.qmap) for s, _ in pairs]
     state_tables = [t for _, t in pairs]
-    _compiled_step(param, grad, step, *states, *state_tables, lr, beta1, beta2, weight_decay, eps)
+    # mypy counts positional arguments after two unpacked lists as too many
+    _compiled_step(param, grad, step, *states, *state_tables, lr, beta1, beta2, weight_decay, eps)  # type: ignore[call-arg]
 
 
 def kernel_adamw8bit_step(

@@ -101,6 +101,7 @@ class AutoPlanner:
             return self._plan
         self._calls_since_check = 0
         costs = self.measure(weight_chunk_bytes)
+        assert self._costs is not None
         moved = should_replan(self._costs.layers, costs.layers) or link_moved(self._costs, costs)
         if not (moved or (self.budgets is not None and activations_moved(self._costs, costs))):
             return self._plan

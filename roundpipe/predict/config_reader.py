@@ -238,7 +238,7 @@ def _attention_fields(values: Mapping, model_type: str, heads: int) -> dict:
             num_kv_heads=heads,
         )
     if model_type.startswith("gemma4"):
-        overrides = next(iter((values.get("per_layer_config") or {}).values()), {})
+        overrides: Mapping = next(iter((values.get("per_layer_config") or {}).values()), {})
         k_eq_v = bool(values.get("attention_k_eq_v"))
         global_kv = values.get("num_global_key_value_heads") or overrides.get("num_key_value_heads")
         fields.update(

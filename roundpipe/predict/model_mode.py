@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 from dataclasses import dataclass
+from fractions import Fraction
 
 from .breakdown import MemoryFit
 from .gpus import GIB, Gpu, gpu_preset
@@ -116,7 +117,7 @@ def lean_settings(args: argparse.Namespace) -> LeanSettings:
 
 def settings_line(settings: LeanSettings) -> str:
     """The settings and the host bytes each trained parameter costs with them."""
-    terms = {
+    terms: dict[str, int | Fraction] = {
         "weights": HALF,
         "spare": HALF,
         "masters": MASTER_COPY_BYTES[settings.master_weights],

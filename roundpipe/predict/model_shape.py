@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
+from typing import cast
 
 from .config_reader import architecture, spec_fields
 from .layer_kinds import (
@@ -150,7 +151,7 @@ class ModelSpec:
         Which fields are read, and what is refused: :func:`.config_reader.spec_fields`
         (a vision-language config is read from its ``text_config``; the vision tower
         is not counted)."""
-        values = config.to_dict() if hasattr(config, "to_dict") else dict(config)  # type: ignore[arg-type]
+        values = config.to_dict() if hasattr(config, "to_dict") else dict(cast(Mapping, config))
         spec = cls(name="", **spec_fields(values))
         given = values.get("name_or_path") or values.get("_name_or_path") or name
         return replace(spec, name=given or f"{architecture(values)} {_size(spec.num_params)}")

@@ -7,6 +7,8 @@ and where LoRA adapters sit: docs/design.md#model-shapes.
 
 from __future__ import annotations
 
+from typing import TypedDict
+
 from .layer_kinds import FULL_ATTENTION, LINEAR_ATTENTION, SLIDING_ATTENTION
 from .model_shape import ModelSpec
 
@@ -19,7 +21,18 @@ def _every(period: int, kind: str, others: str, layers: int) -> tuple[str, ...]:
     return tuple(kind if (i + 1) % period == 0 else others for i in range(layers))
 
 
-_QWEN35_DELTANET = {  # Qwen3.5's Gated DeltaNet layers: 16 key heads, dims 128, 4 conv taps
+class _DeltaNetFields(TypedDict):
+    """Qwen3.5's Gated DeltaNet fields of a :class:`ModelSpec`."""
+
+    linear_num_key_heads: int
+    linear_key_head_dim: int
+    linear_value_head_dim: int
+    linear_conv_kernel_dim: int
+    qk_norm: bool
+    attention_output_gate: bool
+
+
+_QWEN35_DELTANET: _DeltaNetFields = {  # Gated DeltaNet layers: 16 key heads, dims 128, 4 conv taps
     "linear_num_key_heads": 16,
     "linear_key_head_dim": 128,
     "linear_value_head_dim": 128,

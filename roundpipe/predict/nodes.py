@@ -198,6 +198,7 @@ def _reduce_tail(
     end = max(t for t, _ in final)
     link_free = -math.inf
     for ready, units in sorted(final, key=lambda item: item[0]):
+        assert units is not None
         stage_share = sum(weights[int(units[1]) : int(units[2])])
         link_free = max(link_free, ready) + reduce_time * stage_share
     return max(0.0, link_free - end)

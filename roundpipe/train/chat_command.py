@@ -363,6 +363,7 @@ def _checkpoint_model(checkpoint: Path, spelling: str | None, revision: str | No
     options, where = read_run_checkpoint(checkpoint.absolute())
     if spelling is None:
         spelling, revision = options.model, options.revision
+    assert spelling is not None
     source = resolve_model(spelling, revision)
     if not source.directory.is_dir():
         raise UsageError(

@@ -81,7 +81,7 @@ def complete_checkpoints(output: Path, shard: dict | None = None) -> list[tuple[
         if shard is not None:
             match = _NAME.fullmatch(entry.name)
             mine = match and shard_path(entry, shard)
-            if mine and any((d / "state.json").is_file() for d in (mine, _old(mine))):
+            if match and mine and any((d / "state.json").is_file() for d in (mine, _old(mine))):
                 found[int(match.group(1))] = entry
             continue
         name = entry.name.removesuffix(".old")
@@ -136,7 +136,8 @@ def resumable_checkpoints(
         raise UsageError(
             f"--resume: no checkpoint in {root} to continue from (drop --resume to start a new run)"
         )
-    found, damaged = [], []
+    found: list[Found] = []
+    damaged: list[str] = []
     for step, path in candidates:
         try:
             found_here = _read(path, shard)

@@ -114,6 +114,7 @@ def _train(command_line: dict[str, Any]) -> int:
         with joined(ranks, options.dist_timeout):
             prepared = prepare(options, ranks)  # nothing written before it passed
             prepared.notes[:0] = given.notes
+            assert prepared.options.output is not None
             if demo is None:
                 held.enter_context(holding(prepared.options.output, ranks))
             prepared = find_start(prepared, ranks)
@@ -127,6 +128,7 @@ def _train(command_line: dict[str, Any]) -> int:
     if outcome.stop_signal:
         return 128 + outcome.stop_signal
     if demo is not None:
+        assert prepared.options.output is not None
         _print_samples(demo["setup"], prepared.options.output)
     return 0
 

@@ -10,7 +10,7 @@ import argparse
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 from .aliases import JoinedNames, aliases_of, refuse_unknown_options
 from .config_file import LISTS, read_options
@@ -65,6 +65,14 @@ def given_options(command_line: Mapping[str, Any]) -> Given:
     return Given(from_command_line, from_config, config_notes + notes)
 
 
+class _Arity(TypedDict, total=False):
+    """``add_argument``'s options for an option taking several values, or none."""
+
+    nargs: str
+    action: type[argparse.Action]
+    const: bool
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add every option to ``parser``; an option not given is absent from the namespace."""
     groups: dict[str, Any] = {}
@@ -89,7 +97,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             )
         else:
             names = [f"--{option.name}", *(f"--{name}" for name in aliases_of(option.key))]
-            several = {"nargs": "+", "action": JoinedNames} if option.key in LISTS else {}
+            several: _Arity = {"nargs": "+", "action": JoinedNames} if option.key in LISTS else {}
             group.add_argument(
                 *names,
                 type=option.parse,
@@ -112,7 +120,7 @@ def _add_trainer_flags(parser: argparse.ArgumentParser) -> None:
         "names are extra spellings shown above (--learning_rate, --max_length, ...)",
     )
     for trainer_flag in TRAINER_FLAGS:
-        switch = {"nargs": "?", "const": True} if trainer_flag.switch else {}
+        switch: _Arity = {"nargs": "?", "const": True} if trainer_flag.switch else {}
         group.add_argument(
             f"--{trainer_flag.name}",
             dest=trainer_flag.name,

@@ -211,9 +211,9 @@ def _tokenized_dataset(
     formats = "+".join(dict.fromkeys(part.format for part in parts))
     total_truncated = sum(count.truncated for count in counts)
     total_dropped = sum(count.dropped for count in counts)
-    pictured = images if any(example.images for example in examples) else None
+    reader = images if any(example.images for example in examples) else None
     return Dataset(
-        name, formats, seq_len, examples, total_truncated, total_dropped, tuple(counts), pictured
+        name, formats, seq_len, examples, total_truncated, total_dropped, tuple(counts), reader
     )
 
 

@@ -47,6 +47,7 @@ def data_summary(dataset: Any, batches: Any, tokenizer: Any, what: str = "traini
 def rendered(example: Any, tokenizer: Any) -> str:
     """``example``'s text, each run of tokens with a loss between the marks; cut after
     :data:`SHOWN_CHARACTERS` characters."""
+    run: list[int]  # the token ids of one run
     pieces, run, run_trained = [], [], None
     for token, label in zip(example.input_ids, example.labels, strict=True):
         trained = label != IGNORE_INDEX

@@ -16,6 +16,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypedDict
 
 import torch
 
@@ -32,7 +33,20 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 VOCAB_SIZE = 2048
-MODEL_CONFIG = dict(
+
+
+class _ModelConfig(TypedDict):
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+
+
+MODEL_CONFIG: _ModelConfig = dict(
     hidden_size=128,
     intermediate_size=384,
     num_hidden_layers=2,
@@ -235,7 +249,8 @@ def build_model(tokenizer, seed: int = 0):
     )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = transformers.Qwen3ForCausalLM(config).to(torch.float32)
+        # transformers wraps ``to`` with functools.wraps, whose stub drops the binding of self
+        model = transformers.Qwen3ForCausalLM(config).to(torch.float32)  # type: ignore[arg-type]
     model.generation_config = transformers.GenerationConfig(
         eos_token_id=end_ids,
         pad_token_id=tokenizer.pad_token_id,

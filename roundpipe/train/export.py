@@ -19,11 +19,15 @@ import sys
 import tempfile
 from dataclasses import fields
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from ..errors import error_chain, one_line_usage_errors
 from .disk import disk_full, free_space
 from .options import OPTIONS, PRECISIONS, TrainOptions, UsageError
+
+if TYPE_CHECKING:
+    from peft import PeftModel
+    from transformers import PreTrainedModel
 
 DESCRIPTION = """\
 Turn a checkpoint of roundpipe train into a transformers model or a peft adapter.
@@ -136,6 +140,7 @@ def export(checkpoint: Path, output: Path, merge: bool = False, dtype_name: str 
             f"--merge: {checkpoint} is a checkpoint of a --full run (the whole model): "
             "there is no adapter to merge; export it without --merge"
         )
+    assert options.model is not None
     source = resolve_model(options.model, options.revision)
     dtype = _save_dtype(options, source.directory, merge, dtype_name)
     model = trained_model(source.directory, options, trained_weights(where), merge)
@@ -220,6 +225,7 @@ def trained_model(directory: Path, options: TrainOptions, weights: dict, merge: 
     from .model_checks import lora_config
     from .quiet import quiet_transformers
 
+    model: PreTrainedModel
     with quiet_transformers():
         if options.full or merge:
             import transformers
@@ -240,8 +246,8 @@ def trained_model(directory: Path, options: TrainOptions, weights: dict, merge: 
         _put(model, weights, directory)
         if options.full:
             model.tie_weights()  # a tied weight was put in under its first name only
-        if merge:
-            model = model.merge_and_unload()
+        if merge:  # a LoRA run's (export refuses --merge of a --full one): the peft model
+            model = cast("PeftModel", model).merge_and_unload()
     return model
 
 

@@ -159,8 +159,8 @@ def _normalised(record: dict, allowed: set[str]) -> tuple[str, dict]:
         extra = record.get("input")
         if extra is not None and not isinstance(extra, str):
             raise ValueError(f'"input" must be a string, got {type(extra).__name__}')
-        prompt = instruction + ("\n\n" + extra if extra else "")
-        return kind, {"prompt": prompt, "completion": output}
+        prompt_text = instruction + ("\n\n" + extra if extra else "")
+        return kind, {"prompt": prompt_text, "completion": output}
     prompt, completion = record["prompt"], record["completion"]
     if isinstance(prompt, list) and isinstance(completion, list):
         parts = images is not None

@@ -12,6 +12,7 @@ The predictions are :func:`roundpipe.predict.models.max_seq_len`'s.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import cast
 
 from ..core.tiling import DEFAULT_SEQ_CHUNK_TOKENS
 from ..predict.breakdown import finest_plan
@@ -68,7 +69,7 @@ def sequence_setting(
         return SequenceSetting()  # the general path runs the model's own layers, untiled
     # the predictions are for 16-bit weights and activations: fp32 needs twice the bytes
     tokens = rows * seq_len * _PRECISION_BYTES.get(precision or "bf16", 2) // 2
-    smallest = min(capacities)
+    smallest = min(cast(list[int], capacities))  # none is None
     gpu = replace(gpu_preset("rtx4090"), name="the smallest device", memory_bytes=smallest)
     work = Workload(seq_len, 1, lora_rank=lora_rank, settings=settings or LeanSettings())
     untiled = max_seq_len(spec, gpu, work, seq_chunk_tokens=None)
@@ -114,7 +115,8 @@ def _setting(pipe, options: TrainOptions, ranks: Ranks) -> SequenceSetting:
     quantize = None if options.full or options.quantize == "none" else options.quantize
     return sequence_setting(
         pipe.hf_model.config,
-        options.seq_len,
+        # None in options preflight did not fill; read only for devices of bounded memory
+        options.seq_len,  # type: ignore[arg-type]
         -(-rows // split),
         [device.memory_capacity() for device in pipe.pool],
         options.precision,

@@ -74,6 +74,7 @@ def build_pipe(
     from ..core.config import RoundPipeRunConfig
     from ..hf.loading import from_pretrained
 
+    assert options.model is not None and options.precision is not None
     source = source or resolve_model(options.model, options.revision)
 
     scaler = torch.amp.GradScaler("cpu") if options.precision == "fp16" else None
@@ -112,6 +113,7 @@ def mean_token_loss(pipe, batches, ranks: Ranks | None = None) -> float:
     pipe.synchronize()
     training = pipe.training
     pipe.eval()  # as Trainer evaluates: no dropout
+    count: float  # summed over the ranks as a float
     total, count = 0.0, 0
     try:
         for index in range(ranks.rank, batches.steps_per_epoch, ranks.world):
@@ -137,6 +139,7 @@ class Run:
         self.stream = stream or sys.stdout
         self.ranks = ranks or Ranks()
         self.main = self.ranks.main
+        assert self.options.output is not None
         self.output = self.options.output
         self.metrics = MetricsLog(self.output / METRICS_FILE, write=self.main)
         self.progress: Progress | None = None
@@ -332,6 +335,7 @@ class Run:
         self.rows.add(record)  # written once the step has measured its gradient norm
         self._write_rows()
         shown = epoch if o.steps is None else None
+        assert self.progress is not None
         self.progress.update(StepReport(step, loss, lr, tokens_per_s, eval_loss, shown))
         save = (o.save_every is not None and step % o.save_every == 0) or step == self.total
         if save:
@@ -387,6 +391,7 @@ class Run:
     def _source(self) -> ModelSource:
         """Where ``--model`` lies (resolved by preflight)."""
         if self.prepared.source is None:
+            assert self.options.model is not None
             self.prepared.source = resolve_model(self.options.model, self.options.revision)
         return self.prepared.source
 

@@ -63,6 +63,7 @@ def check_host_memory(options: TrainOptions, config: Any, world: int) -> None:
         spec = ModelSpec.from_config(config)
     except ValueError:  # a layer kind or feature the predictor does not price
         return
+    assert options.devices is not None
     devices = device_count(options.devices)
     work = run_workload(options, world, devices)
     memory = memory_fit(spec, PRICED_GPU, work, devices, room.bytes)
@@ -82,6 +83,7 @@ def run_workload(options: TrainOptions, world: int, devices: int) -> Workload:
     """What one process of the run on ``devices`` devices holds, as ``simulate`` prices
     it: its share of the batch in ``--microbatches`` (default devices + 1), all of them
     one call per step, the masters and optimizer state split over ``world`` processes."""
+    assert options.seq_len is not None and options.precision is not None
     rows = max(options.batch_size // world, 1)
     run_config = RoundPipeRunConfig(num_microbatch=options.microbatches)
     count = run_config.microbatches_for(devices, rows)

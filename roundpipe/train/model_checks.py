@@ -77,7 +77,8 @@ def lora_config(options: TrainOptions):
     alpha = options.lora_alpha
     return peft.LoraConfig(
         r=options.lora_r,
-        lora_alpha=int(alpha) if float(alpha).is_integer() else alpha,
+        # peft annotates an int; it scales by any number
+        lora_alpha=int(alpha) if float(alpha).is_integer() else alpha,  # type: ignore[arg-type]
         target_modules=options.lora_target_modules(),
         lora_dropout=options.lora_dropout,
         task_type="CAUSAL_LM",

@@ -14,6 +14,7 @@ import re
 import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import SupportsFloat
 
 import torch
 from torch import nn
@@ -74,7 +75,8 @@ def parameter_groups(
 ) -> list[dict]:
     """``Trainer``'s two parameter groups: those named in ``decay_names`` with
     ``weight_decay``, then the rest with none (either may be empty)."""
-    decay, rest = [], []
+    decay: list[nn.Parameter] = []
+    rest: list[nn.Parameter] = []
     for name, param in named:
         (decay if name in decay_names else rest).append(param)
     return [{"params": decay, "weight_decay": weight_decay}, {"params": rest, "weight_decay": 0.0}]
@@ -181,7 +183,7 @@ class GradNorms:
 def step_function(
     optimizer: torch.optim.Optimizer,
     scheduler: torch.optim.lr_scheduler.LRScheduler,
-    clip_grad_norm: Callable[[float], object],
+    clip_grad_norm: Callable[[float], SupportsFloat],
     grad_clip: float,
     scaler: torch.amp.GradScaler | None,
     norms: GradNorms,

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 from ..errors import install_hint
 from .chat_templates import apply_chat_template_option, template_spelling
@@ -94,21 +94,24 @@ def find_start(prepared: Prepared, ranks: Ranks | None = None) -> Prepared:
         prepared.resume_from[0].position.step == prepared.total_steps
     )
     options = prepared.options
+    assert options.output is not None
     complete = ranks.main and at_the_end and result_complete(options.output, options.full)
     return replace(prepared, finished=ranks.gather(complete, "the result's check")[0])
 
 
 def _prepare(options: TrainOptions, ranks: Ranks) -> Prepared:
+    assert options.model is not None and options.output is not None
+    model, output = local_spelling(options.model), Path(options.output).absolute()
     options = replace(
         options,
-        model=local_spelling(options.model),
+        model=model,
         data=_data_sources(options.data),
-        output=Path(options.output).absolute(),
+        output=output,
         eval_data=None if options.eval_data is None else _data_sources(options.eval_data),
         chat_template=template_spelling(options.chat_template),
     )
-    _check_resume(options.output, options.resume)
-    source = resolve_model(options.model, options.revision)
+    _check_resume(output, options.resume)
+    source = resolve_model(model, options.revision)
     config = model_config(options, source)
     max_positions = getattr(config, "max_position_embeddings", None)
     options = replace(options, seq_len=_seq_len(options.seq_len, max_positions))
@@ -139,6 +142,7 @@ def _check_resume(output: Path, resume: bool | str) -> None:
 
 def _find_start(prepared: Prepared, ranks: Ranks) -> Prepared:
     options, notes = prepared.options, list(prepared.notes)
+    assert options.output is not None
     earlier = saved_worlds(options.output)
     if earlier and not options.resume:
         if not options.demo:
@@ -192,6 +196,7 @@ def _common_checkpoints(prepared: Prepared, every: list[list[tuple[int, int]]]) 
     """The checkpoints every rank has a shard of, from the same save, newest first."""
     common = common_checkpoints(prepared.resume_from, every)
     if not common:
+        assert prepared.options.output is not None
         newest = ", ".join(f"rank {rank}: step {found[0][0]}" for rank, found in enumerate(every))
         raise UsageError(
             f"--resume: no checkpoint in {prepared.options.output / 'checkpoints'} has a "
@@ -236,6 +241,15 @@ def _data_sources(sources) -> str:
         raise UsageError(str(error)) from error
 
 
+class _Reading(TypedDict):
+    """How ``--data`` and ``--eval-data`` are read (``load_dataset``'s options)."""
+
+    split: str
+    fields: str | None
+    train_on_prompt: bool
+    images: ImageReader | None
+
+
 def _batches(options: TrainOptions, tokenizer, notes: list[str], images: ImageReader):
     """The training batches and the evaluation's (None without ``--eval-data`` or
     ``--eval-split``); what was truncated or dropped goes to ``notes``, by source."""
@@ -243,7 +257,8 @@ def _batches(options: TrainOptions, tokenizer, notes: list[str], images: ImageRe
     from .data import DataError, load_dataset, load_held_out, pad_token_id
     from .data_summary import data_summary
 
-    reading = {
+    assert options.data is not None and options.seq_len is not None
+    reading: _Reading = {
         "split": options.data_split,
         "fields": options.data_fields,
         "train_on_prompt": options.train_on_prompt,
@@ -271,7 +286,7 @@ def _batches(options: TrainOptions, tokenizer, notes: list[str], images: ImageRe
     except DataError as error:
         raise UsageError(str(error)) from error
     pad_id = pad_token_id(tokenizer)
-    batches = []
+    batches: list[Batches | None] = []
     for dataset, packing in ((train, options.packing), (held_out, False)):
         if dataset is None:
             batches.append(None)

@@ -148,8 +148,9 @@ def _json_array(path: Path, text: str) -> Records:
     """A file holding one JSON array of objects, each element's line found as it is
     decoded (``raw_decode`` walks the array one element at a time)."""
     decoder = json.JSONDecoder()
-    rows, lines = [], []
-    position = _SPACE.match(text, text.index("[") + 1).end()
+    rows: list[dict] = []
+    lines: list[int] = []
+    position = _past_space(text, text.index("[") + 1)
     line, counted = 1, 0
     while position < len(text) and text[position] != "]":
         line += text.count("\n", counted, position)
@@ -168,9 +169,9 @@ def _json_array(path: Path, text: str) -> Records:
             )
         rows.append(record)
         lines.append(line)
-        position = _SPACE.match(text, end).end()
+        position = _past_space(text, end)
         if position < len(text) and text[position] == ",":
-            position = _SPACE.match(text, position + 1).end()
+            position = _past_space(text, position + 1)
         elif position >= len(text) or text[position] != "]":
             line += text.count("\n", counted, position)
             raise DataError(f"{path}:{line}: not valid JSON: expected ',' or ']' after an element")
@@ -226,6 +227,13 @@ def _csv(path: Path) -> Records:
     except csv.Error as error:
         raise DataError(f"{path}:{reader.line_num}: not valid CSV: {error}") from error
     return _file_records(path, rows, lines, "line")
+
+
+def _past_space(text: str, position: int) -> int:
+    """Where the whitespace from ``position`` ends (``\\s*`` matches anywhere)."""
+    match = _SPACE.match(text, position)
+    assert match is not None
+    return match.end()
 
 
 def _file_records(path: Path, rows: list[dict], lines: list[int], unit: str) -> Records:

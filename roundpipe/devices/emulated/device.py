@@ -34,6 +34,9 @@ from .memory import ComputeAllocations, DeviceMemory
 from .random import seeded
 from .stream import RUNNING, EmulatedStream, HostEvent, StreamContext, WallClockTimer
 
+_PINNED_ATTR = "roundpipe_pinned"
+"""Set on the storage of a host tensor the emulator treats as page-locked."""
+
 
 @dataclass(frozen=True)
 class EmulatedOptions:
@@ -67,6 +70,8 @@ class EmulatedOptions:
 
 
 class EmulatedDevice(Device):
+    streams: dict[StreamName, EmulatedStream]
+
     def __init__(self, pool: EmulatedDevicePool, index: int, options: EmulatedOptions) -> None:
         self.pool = pool
         self.index = index
@@ -134,6 +139,7 @@ class EmulatedDevice(Device):
             return
         # An op of a stream using this engine copies under its own ticket (the engine
         # was free for it when it started); any other books behind what the engine does.
+        assert RUNNING.stream is not None
         ticket = op.ticket if RUNNING.stream.engine is engine else self.pool.tickets.next()
         end = engine.book(nbytes, ticket, op.cursor)
         RUNNING.charged += end - op.cursor
@@ -143,12 +149,12 @@ class EmulatedDevice(Device):
         self.memory.keep_alive(tensor, stream)
 
     def is_pinned(self, tensor: torch.Tensor) -> bool:
-        return getattr(tensor.untyped_storage(), "roundpipe_pinned", False)
+        return getattr(tensor.untyped_storage(), _PINNED_ATTR, False)
 
     def is_on_device(self, tensor: torch.Tensor) -> bool:
         return self.memory.is_resident(tensor)
 
-    def compute_scope(self, info: OpInfo) -> contextlib.AbstractContextManager[None]:
+    def compute_scope(self, info: OpInfo) -> contextlib.AbstractContextManager[object]:
         scope = contextlib.ExitStack()
         count = self.options.count_compute_memory
         if count or (count is None and self.memory.capacity is not None):
@@ -193,6 +199,7 @@ class EmulatedDevice(Device):
 
 class EmulatedDevicePool(DevicePool):
     kind = "emulated"
+    devices: list[EmulatedDevice]
 
     def __init__(self, num_devices: int, options: EmulatedOptions | None = None) -> None:
         if num_devices < 1:
@@ -250,4 +257,4 @@ class EmulatedDevicePool(DevicePool):
 
 
 def _mark_page_locked(tensor: torch.Tensor) -> None:
-    tensor.untyped_storage().roundpipe_pinned = True
+    setattr(tensor.untyped_storage(), _PINNED_ATTR, True)

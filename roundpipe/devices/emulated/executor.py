@@ -136,7 +136,7 @@ class DeviceExecutor:
                     event.complete(error, time)
             if start is not None:
                 self._run_op(*start[:2])
-            found = finished = released = start = None
+            del found, finished, released, start
 
     def _look(self) -> tuple[_Finished, _Released, tuple | None] | None:
         """Under the lock: what there is to do, sleeping until there is something;
@@ -228,6 +228,7 @@ class DeviceExecutor:
         RUNNING.stream, RUNNING.op = stream, op
         try:
             if stream.error is None:
+                assert op.fn is not None
                 try:
                     op.fn()
                 except BaseException as exc:  # noqa: BLE001 - sticky, reported through events

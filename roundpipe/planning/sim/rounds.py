@@ -9,6 +9,7 @@ memory intervals are made only when ``record`` is set: scoring a plan needs neit
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 
 from ...core.keys import Activation, HandoffKey, Loss
@@ -127,10 +128,10 @@ class Simulation:
         start = engine.replay_arrays(self.arrays).start
         return max(s + d for s, d in zip(start, self.arrays.duration, strict=True))
 
-    def exposed_comm(self, timings: dict[int, engine.Timing]) -> float:
+    def exposed_comm(self, timings: dict[Hashable, engine.Timing]) -> float:
         return sum(timings[op.key].exposed_transfer for op in self.ops if op.stream == COMPUTE)
 
-    def memory_intervals(self, timings: dict[int, engine.Timing]) -> list:
+    def memory_intervals(self, timings: dict[Hashable, engine.Timing]) -> list:
         return [
             (device, timings[start].start, timings[end].end, size)
             for device, start, end, size in self._memory
@@ -256,6 +257,7 @@ class Simulation:
         costs = self.config.costs
         layers = costs.layers
         if op.kind is OpKind.UPLOAD_WEIGHTS:
+            assert op.chunk is not None
             return costs.upload_time(chunks[op.chunk])
         if op.kind in (OpKind.UPLOAD_INPUT, OpKind.UPLOAD_GRAD):
             from_caller = isinstance(op.key, Activation) and op.key.layer == 0

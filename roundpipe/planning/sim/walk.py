@@ -292,6 +292,7 @@ class _Walk:
                 elif m == 1 and len(early) == 3:
                     arrived = early[2]
                 else:
+                    assert grads is not None
                     ready = gate if gate > grads[m] else grads[m]
                     if wait > ready:
                         ready = wait
