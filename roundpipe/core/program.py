@@ -14,10 +14,27 @@ import functools
 import re
 from collections import Counter
 from dataclasses import dataclass
+from typing import TypedDict
+
+from typing_extensions import Unpack
 
 from .keys import Activation, HandoffKey, InputGrad, Loss, Output, RngState, key_repr, parse_keys
 from .op_kinds import OpKind, StreamName
 from .schedule import Job, JobKind, Schedule
+
+
+class OpFields(TypedDict, total=False):
+    """The fields of a :class:`DeviceOp` besides its index and kind (checked by name
+    and type where a program is built)."""
+
+    microbatch: int | None
+    layers: range
+    key: HandoffKey | None
+    keys: tuple[HandoffKey, ...]
+    posts: tuple[HandoffKey, ...]
+    inputs: tuple[int, ...]
+    host_wait: int | None
+    chunk: int | None
 
 
 @dataclass(frozen=True)
@@ -239,20 +256,27 @@ class _Builder:
         self.weights_ready: int | None = None
         self.last_compute: dict[int, int] = {}  # microbatch -> its last compute op
 
-    def add(self, kind: OpKind, **fields) -> int:
+    def add(self, kind: OpKind, **fields: Unpack[OpFields]) -> int:
         index = len(self.ops)
         self.ops.append(DeviceOp(index, kind, **fields))
-        if kind.stream is StreamName.COMPUTE and fields.get("microbatch") is not None:
-            self.last_compute[fields["microbatch"]] = index
+        m = fields.get("microbatch")
+        if kind.stream is StreamName.COMPUTE and m is not None:
+            self.last_compute[m] = index
         return index
 
     def compute(
-        self, kind: OpKind, m: int, layers: range, inputs: tuple[int, ...], **fields
+        self,
+        kind: OpKind,
+        m: int,
+        layers: range,
+        inputs: tuple[int, ...],
+        posts: tuple[HandoffKey, ...] = (),
+        key: HandoffKey | None = None,
     ) -> int:
         if self.weights_ready is not None:  # the first compute op waits for the weights
             inputs = (self.weights_ready, *inputs)
             self.weights_ready = None
-        return self.add(kind, microbatch=m, layers=layers, inputs=inputs, **fields)
+        return self.add(kind, microbatch=m, layers=layers, inputs=inputs, posts=posts, key=key)
 
     def upload(self, kind: OpKind, m: int, key: HandoffKey | None = None) -> int:
         waits = self.last_compute.get(m - 2)

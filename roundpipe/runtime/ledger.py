@@ -10,7 +10,9 @@ import threading
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
-from typing import NoReturn
+from typing import NoReturn, TypedDict
+
+from typing_extensions import Unpack
 
 from .call import Call
 from .versions import HOME, VersionState
@@ -63,6 +65,15 @@ class StepTask:
             return not claimed
 
 
+class CallStateChange(TypedDict, total=False):
+    """Fields of a :class:`CallState` to change (checked by name and type)."""
+
+    phase: str
+    accumulated: bool
+    discarded: bool
+    owned_buffers: tuple
+
+
 @dataclass(frozen=True)
 class Ledger:
     in_flight: tuple[Call, ...] = ()
@@ -82,7 +93,7 @@ class Ledger:
     def state(self, call: Call) -> CallState:
         return self.states.get(call, _FORGOTTEN)
 
-    def with_state(self, call: Call, **changes) -> Ledger:
+    def with_state(self, call: Call, **changes: Unpack[CallStateChange]) -> Ledger:
         states = dict(self.states)
         states[call] = replace(states.get(call, CallState()), **changes)
         return replace(self, states=states)
@@ -138,3 +149,16 @@ def raise_second_backward() -> NoReturn:
         "backward through the output of this model(x) call ran already; the "
         "pipeline keeps no graph for a second one (retain_graph is not supported)"
     )
+
+
+class LedgerChange(TypedDict, total=False):
+    """Fields of a :class:`Ledger` to change (checked by name and type)."""
+
+    in_flight: tuple[Call, ...]
+    since_step: tuple[Call, ...]
+    steps: tuple[StepTask, ...]
+    versions: VersionState
+    next_seq: int
+    rewrites: int
+    layer_changes: int
+    states: Mapping[Call, CallState]

@@ -14,6 +14,8 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import NoReturn
 
+from typing_extensions import Unpack
+
 from ..core.schedule import Job
 from ..devices.base import DevicePool
 from ..errors import RoundPipeError
@@ -30,8 +32,10 @@ from .ledger import (
     RETURNED,
     RUNNING,
     CallState,
+    CallStateChange,
     Ledger,
     LedgerCell,
+    LedgerChange,
     StepTask,
     raise_second_backward,
 )
@@ -96,10 +100,10 @@ class Session:
     def ledger(self) -> Ledger:
         return self._ledger.value
 
-    def _write(self, **changes) -> None:
+    def _write(self, **changes: Unpack[LedgerChange]) -> None:
         self._ledger.change(lambda ledger: replace(ledger, **changes))
 
-    def _set_state(self, call: Call, **changes) -> None:
+    def _set_state(self, call: Call, **changes: Unpack[CallStateChange]) -> None:
         def change(ledger: Ledger) -> Ledger:
             if call not in ledger.in_flight:
                 return ledger
