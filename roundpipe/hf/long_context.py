@@ -75,11 +75,35 @@ class TiledForward:
             # The recompute runs in the backward, when RoundPipe has unbound the layer's
             # device tensors: they are passed in, not read from the module then.
             names, tensors = module_state(module)
-            outputs = [
-                checkpoint(_run_piece, module, names, piece, *tensors, use_reentrant=False)
-                for piece in pieces
-            ]
+            outputs = [checkpointed(_run_piece, module, names, piece, *tensors) for piece in pieces]
         return _joined(outputs, hidden.shape[0])
+
+
+def checkpointed(function, *args, **options):
+    """``torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False,
+    **options)`` that never raises from inside the checkpoint. Before torch 2.13 an
+    exception raised there leaves the checkpoint's saved-tensor hooks pushed on the
+    thread, and every later backward of that thread (a worker's, for every later call)
+    saves through them; so the forward's exception is caught inside, the checkpoint
+    returns normally, and it is raised once the hooks were popped. The recompute (in the
+    backward, a later call of ``function``) raises as it would."""
+    failures: list[BaseException] = []
+    runs: list[None] = []
+
+    def guarded(*inputs):
+        runs.append(None)
+        if len(runs) > 1:  # the recompute, in the backward
+            return function(*inputs)
+        try:
+            return function(*inputs)
+        except BaseException as error:  # noqa: BLE001 - raised below, outside the hooks
+            failures.append(error)
+            return None
+
+    output = checkpoint(guarded, *args, use_reentrant=False, **options)
+    if failures:
+        raise failures.pop()  # named by no local: no cycle keeps its frames alive
+    return output
 
 
 def _joined(outputs: list, batch: int):
@@ -135,7 +159,7 @@ def chunked_loss(hidden, labels, chunk_tokens: int, vocab_size: int, logits_of, 
         piece = slice(start, start + step)
         args = (logits_of, hidden[piece], targets[piece], *tensors)
         if torch.is_grad_enabled():
-            loss = checkpoint(_piece_loss, *args, use_reentrant=False, preserve_rng_state=False)
+            loss = checkpointed(_piece_loss, *args, preserve_rng_state=False)
         else:
             loss = _piece_loss(*args)
         total = total + loss
