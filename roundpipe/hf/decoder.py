@@ -166,7 +166,8 @@ class DecoderLayer(nn.Module):
 
 
 class HeadLayer(nn.Module):
-    """Final norm and LM head; with labels, the summed loss of the shifted labels."""
+    """Final norm and LM head; with labels, the summed loss of the shifted labels and
+    the count of them the logits predict (:func:`.long_context.chunked_loss`)."""
 
     modifies_inputs = False
 
@@ -190,14 +191,14 @@ class HeadLayer(nn.Module):
         if labels is None:
             return self.lm_head(hidden)
         weight, bias = self.lm_head.weight, self.lm_head.bias
-        total = chunked_loss(
+        total, correct = chunked_loss(
             hidden, labels, self.chunk_tokens, weight.shape[0], F.linear, weight, bias
         )
         if router_sums is not None:  # weighted by this microbatch's label tokens
             assert self.router_loss is not None
             count = (labels[:, 1:] != IGNORE_INDEX).sum()
             total = total + self.router_loss.coef * aux_loss(router_sums, self.router_loss) * count
-        return total
+        return total, correct
 
 
 def decoder_layers(

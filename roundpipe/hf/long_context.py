@@ -146,27 +146,32 @@ def loss_chunk_tokens(tokens: int, vocab_size: int) -> int:
 
 def chunked_loss(hidden, labels, chunk_tokens: int, vocab_size: int, logits_of, *tensors):
     """The summed cross-entropy of ``labels`` shifted by one (``IGNORE_INDEX`` ignored)
-    over ``hidden`` (B x S x H), in chunks of :func:`loss_chunk_tokens` tokens, each
-    recomputed in the backward under autograd, so the fp32 logits of the whole
-    sequence never exist. ``logits_of(chunk, *tensors)`` gives a chunk's logits; the
-    head's tensors are passed in, not read from its module: the recompute runs in the
-    backward, when RoundPipe has already unbound the layer's device tensors."""
+    over ``hidden`` (B x S x H), and how many of those labels are the logits' argmax (an
+    int64 scalar, no gradient: TRL's ``mean_token_accuracy`` counts them so), in chunks
+    of :func:`loss_chunk_tokens` tokens, each recomputed in the backward under autograd,
+    so the fp32 logits of the whole sequence never exist. ``logits_of(chunk, *tensors)``
+    gives a chunk's logits; the head's tensors are passed in, not read from its module:
+    the recompute runs in the backward, when RoundPipe has already unbound the layer's
+    device tensors."""
     hidden = hidden[:, :-1].reshape(-1, hidden.shape[-1])
     targets = labels[:, 1:].reshape(-1)
     total = hidden.new_zeros((), dtype=torch.float32)
+    correct = torch.zeros((), dtype=torch.int64, device=hidden.device)
     step = loss_chunk_tokens(chunk_tokens, vocab_size)
     for start in range(0, targets.numel(), step):
         piece = slice(start, start + step)
         args = (logits_of, hidden[piece], targets[piece], *tensors)
         if torch.is_grad_enabled():
-            loss = checkpointed(_piece_loss, *args, preserve_rng_state=False)
+            loss, right = checkpointed(_piece_loss, *args, preserve_rng_state=False)
         else:
-            loss = _piece_loss(*args)
-        total = total + loss
-    return total
+            loss, right = _piece_loss(*args)
+        total, correct = total + loss, correct + right
+    return total, correct
 
 
 def _piece_loss(logits_of, hidden, targets, *tensors):
     logits = logits_of(hidden, *tensors)
     logits = logits.reshape(-1, logits.shape[-1]).float()
-    return F.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX, reduction="sum")
+    with torch.no_grad():  # an ignored label (-100) is never an argmax
+        correct = (logits.argmax(dim=-1) == targets).sum()
+    return F.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX, reduction="sum"), correct

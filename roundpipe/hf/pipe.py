@@ -85,9 +85,13 @@ class HFRoundPipe(RoundPipe):
         loss_fn=None,
         return_outputs: bool = False,
         run_config: RoundPipeRunConfig | None = None,
+        return_metrics: bool = False,
     ):
         """Forward, loss and backward of the batch ``input_kwargs`` (``input_ids``,
-        optional ``attention_mask``, ``labels``); returns the batch's mean token loss."""
+        optional ``attention_mask``, ``labels``); returns the batch's mean token loss,
+        and with ``return_metrics`` a dict of what TRL logs with it besides
+        (:func:`token_metrics`: ``mean_token_accuracy``, ``correct_tokens``,
+        ``label_tokens``; on several nodes, of the global batch)."""
         if input_args or label is not None or loss_fn is not None or return_outputs:
             raise TypeError(
                 "a Hugging Face RoundPipe computes the model's own loss: call "
@@ -97,14 +101,25 @@ class HFRoundPipe(RoundPipe):
         batch = self._checked_batch(input_kwargs, training=True, run_config=run_config)
         count = self._global_label_tokens(batch["labels"])
 
-        def mean_over_batch(total: torch.Tensor, _label) -> torch.Tensor:
-            return total / count
+        def mean_over_batch(head: tuple[torch.Tensor, torch.Tensor], _label) -> torch.Tensor:
+            return head[0] / count  # head: the summed loss, the correct-token count
 
         # Each microbatch's loss is its share of the batch's token mean: they add up.
-        config = replace(self._with_images(batch, run_config) or self.run_config, scale_grads=False)
-        return super().forward_backward(
-            input_kwargs=batch, loss_fn=mean_over_batch, run_config=config
+        config = replace(
+            self._with_images(batch, run_config) or self.run_config,
+            scale_grads=False,
+            merge_output=_correct_tokens,
         )
+        if not return_metrics:
+            return super().forward_backward(
+                input_kwargs=batch, loss_fn=mean_over_batch, run_config=config
+            )
+        loss, correct = super().forward_backward(
+            input_kwargs=batch, loss_fn=mean_over_batch, return_outputs=True, run_config=config
+        )
+        if self.node is not None:
+            correct = self.node.sum_over_nodes(correct, "the correct-token count")
+        return loss, token_metrics(correct, count)
 
     def _global_label_tokens(self, labels: torch.Tensor) -> int:
         """The label tokens of the batch; on several nodes, of every node's batch (the
@@ -117,20 +132,24 @@ class HFRoundPipe(RoundPipe):
             _label_tokens(labels)  # raises, on every rank
         return count
 
-    def eval_loss(self, input_kwargs: dict) -> torch.Tensor:
+    def eval_loss(self, input_kwargs: dict, return_metrics: bool = False):
         """Without gradients: the loss ``forward_backward`` would return for this batch
         (the mean over its label tokens, the head's loss computed in chunks, so the
-        logits of the whole batch never exist at once). The weights are not changed."""
+        logits of the whole batch never exist at once), and with ``return_metrics`` the
+        dict ``forward_backward`` returns (of this process's batch). The weights are not
+        changed."""
         batch = self._checked_batch(input_kwargs, training=True)
         count = _label_tokens(batch["labels"])
         rows = batch["input_ids"].shape[0]
         config = replace(
             self._with_images(batch, None) or self.run_config,
             num_microbatch=self.run_config.microbatches_for(len(self.pool), rows),
-            merge_output=lambda totals: torch.stack([t.float() for t in totals]).sum(),
+            merge_output=_summed_heads,
         )
         with torch.no_grad():
-            return self.runtime.forward((), batch, config) / count
+            total, correct = self.runtime.forward((), batch, config)
+        loss = total / count
+        return (loss, token_metrics(correct, count)) if return_metrics else loss
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """``pipe(input_ids=..., attention_mask=...)``: the logits, as the model returns them.
@@ -255,6 +274,28 @@ class HFRoundPipe(RoundPipe):
                 "attention is kept inside each example by the position ids alone"
             )
         return positions.long()
+
+
+def token_metrics(correct: int, label_tokens: int) -> dict[str, float | int]:
+    """What TRL's ``SFTTrainer`` logs of a batch besides its loss: the share of its label
+    tokens (shifted by one, ``-100`` ignored) that are the logits' argmax."""
+    # as TRL divides: tensors of the counts, so a float32 quotient
+    accuracy = (torch.tensor(correct) / torch.tensor(label_tokens)).item() if label_tokens else 0.0
+    return {
+        "mean_token_accuracy": accuracy,
+        "correct_tokens": correct,
+        "label_tokens": label_tokens,
+    }
+
+
+def _correct_tokens(heads: list) -> int:
+    """The merged head outputs of a training call: its correct-token count."""
+    return sum(int(correct) for _, correct in heads)
+
+
+def _summed_heads(heads: list) -> tuple[torch.Tensor, int]:
+    """The merged head outputs of an evaluation: the summed loss, the correct tokens."""
+    return torch.stack([total.float() for total, _ in heads]).sum(), _correct_tokens(heads)
 
 
 def _label_tokens(labels: torch.Tensor) -> int:

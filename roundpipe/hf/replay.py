@@ -236,7 +236,8 @@ class _BaseStub(nn.Module):
 
 class ReplayedHead(nn.Module):
     """The final norm, then the causal LM's own head code over chunks of tokens: with
-    labels, the summed cross-entropy of the shifted labels; without, the logits."""
+    labels, the summed cross-entropy of the shifted labels and the count of them the
+    logits predict (:func:`.long_context.chunked_loss`); without, the logits."""
 
     modifies_inputs = False
 

@@ -28,6 +28,7 @@ from .checkpoints import (
     remove_checkpoint,
 )
 from .disk import SMALL_FILE, writing
+from .evaluation import evaluate
 from .hub import ModelSource, resolve_model
 from .long_context import fit_sequences, tiling_note
 from .memory_check import reporting_host_memory
@@ -101,30 +102,6 @@ def step_run_config(config, devices: int, rows: int, world: int):
     """The run config of a training step of ``rows`` rows over ``world`` processes: the
     microbatch count ``config`` gives, at most the rows of the smallest share."""
     return replace(config, num_microbatch=config.microbatches_for(devices, rows // world))
-
-
-def mean_token_loss(pipe, batches, ranks: Ranks | None = None) -> float:
-    """The mean cross-entropy over every label token of ``batches`` (all of its first
-    epoch), in eval mode, without gradients and through the head's chunked loss; the
-    pipe is synchronized first, so the newest weights answer. Under ``torchrun`` rank r
-    evaluates batches r, r + K, ... and the ranks' sums are added (every rank returns
-    the whole set's mean)."""
-    ranks = ranks or Ranks()
-    pipe.synchronize()
-    training = pipe.training
-    pipe.eval()  # as Trainer evaluates: no dropout
-    count: float  # summed over the ranks as a float
-    total, count = 0.0, 0
-    try:
-        for index in range(ranks.rank, batches.steps_per_epoch, ranks.world):
-            tokens = batches.num_label_tokens(index)
-            total += float(pipe.eval_loss(batches.batch(index))) * tokens
-            count += tokens
-    finally:
-        pipe.train(training)
-    if ranks.world > 1:
-        total, count = ranks.sum([total, count], "the evaluation sums")
-    return total / count
 
 
 class Run:
@@ -314,24 +291,28 @@ class Run:
         rows = batch["input_ids"].shape[0]
         config = step_run_config(self.pipe.run_config, len(self.pipe.pool), rows, self.ranks.world)
         share = self.ranks.share(batch)
-        pending_loss = self.pipe.forward_backward(input_kwargs=share, run_config=config)
+        pending_loss, metrics = self.pipe.forward_backward(
+            input_kwargs=share, run_config=config, return_metrics=True
+        )
         self.pipe.step(self.step_fn, is_async=not o.sync)  # queued before the loss is read
         loss = float(pending_loss)
         now = time.monotonic()
         tokens = batches.num_tokens(index)
         tokens_per_s = tokens / max(now - self.mark, 1e-9)
         position = Position(step, before.tokens + tokens, self._elapsed(now))
-        eval_loss = None
-        evaluate = o.eval_every is not None and step % o.eval_every == 0
-        if self.prepared.eval_batches is not None and (evaluate or step == self.total):
-            eval_loss = mean_token_loss(self.pipe, self.prepared.eval_batches, self.ranks)
+        eval_loss = eval_accuracy = None
+        due = o.eval_every is not None and step % o.eval_every == 0
+        if self.prepared.eval_batches is not None and (due or step == self.total):
+            eval_loss, eval_accuracy = evaluate(self.pipe, self.prepared.eval_batches, self.ranks)
         lr = o.lr * lr_factor(index, self.warmup, self.total, o.schedule)  # the step's
         epoch = step / batches.steps_per_epoch  # as Trainer logs it
         record = {"step": step, "epoch": epoch, "loss": loss, "lr": lr,
                   "tokens": position.tokens, "num_tokens": position.tokens,
+                  "mean_token_accuracy": metrics["mean_token_accuracy"],
                   "tokens_per_s": tokens_per_s, "elapsed_s": position.elapsed_s}  # fmt: skip
         if eval_loss is not None:
             record["eval_loss"] = eval_loss
+            record["eval_mean_token_accuracy"] = eval_accuracy
         self.rows.add(record)  # written once the step has measured its gradient norm
         self._write_rows()
         shown = epoch if o.steps is None else None

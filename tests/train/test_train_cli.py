@@ -111,18 +111,21 @@ def test_lora_training_equals_a_plain_peft_adamw_loop(train_runs, tmp_path):
     reference.load_state_dict(initial)
     params = [p for p in reference.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=1e-2, weight_decay=0.0)
-    losses = []
+    losses, accuracies = [], []
     for step in range(10):
         for group in optimizer.param_groups:
             group["lr"] = reference_schedule(step, warmup=2, total=10, peak=1e-2)
-        loss = reference(**prepared.train_batches.batch(step)).loss
-        loss.backward()
+        batch = prepared.train_batches.batch(step)
+        out = reference(**batch)
+        out.loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 0.5)
         optimizer.step()
         optimizer.zero_grad()
-        losses.append(loss.item())
+        losses.append(out.loss.item())
+        accuracies.append(trl_token_accuracy(out.logits, batch["labels"]))
     records = metrics(output)
     assert [r["loss"] for r in records] == pytest.approx(losses, rel=1e-4)
+    assert [r["mean_token_accuracy"] for r in records] == pytest.approx(accuracies, abs=1e-12)
     assert [r["lr"] for r in records] == pytest.approx(
         [reference_schedule(s, 2, 10, 1e-2) for s in range(10)], rel=1e-12
     )
@@ -146,14 +149,28 @@ def test_the_logged_eval_loss_is_the_trained_models_mean_token_loss(
         train_files["model"], dtype=torch.float32
     )
     trained = peft.PeftModel.from_pretrained(base, output).eval()
-    total, count = 0.0, 0
+    total, count, accuracies = 0.0, 0, []
     with torch.no_grad():
         for index in range(prepared.eval_batches.steps_per_epoch):
             batch = prepared.eval_batches.batch(index)
             tokens = int((batch["labels"][:, 1:] != -100).sum())
-            total += trained(**batch).loss.item() * tokens  # the model's mean, re-weighted
+            out = trained(**batch)
+            total += out.loss.item() * tokens  # the model's mean, re-weighted
             count += tokens
+            accuracies.append(trl_token_accuracy(out.logits, batch["labels"]))
     assert metrics(output)[-1]["eval_loss"] == pytest.approx(total / count, rel=1e-4)
+    # as TRL logs it: the mean over the evaluation's batches of each one's accuracy
+    want = sum(accuracies) / len(accuracies)
+    assert metrics(output)[-1]["eval_mean_token_accuracy"] == pytest.approx(want, abs=1e-12)
+
+
+def trl_token_accuracy(logits: torch.Tensor, labels: torch.Tensor) -> float:
+    """SFTTrainer's ``mean_token_accuracy`` of one batch: the share of its label tokens
+    (shifted by one, -100 ignored) that are the logits' argmax."""
+    shift_labels = labels[..., 1:]
+    mask = shift_labels != -100
+    correct = (logits[..., :-1, :].argmax(dim=-1) == shift_labels) & mask
+    return (correct.sum() / mask.sum()).item()
 
 
 def test_a_full_fine_tune_writes_a_model_that_transformers_loads_as_trained(

@@ -90,7 +90,8 @@ def test_a_resumed_run_with_dropout_equals_the_uninterrupted_one(dropout_runs, t
 
 
 def test_evaluation_runs_in_eval_mode_and_training_continues_in_train_mode(dropout_runs, tmp_path):
-    from roundpipe.train.loop import build_pipe, mean_token_loss
+    from roundpipe.train.evaluation import evaluate
+    from roundpipe.train.loop import build_pipe
     from roundpipe.train.options import resolve
     from roundpipe.train.preflight import prepare
 
@@ -101,7 +102,7 @@ def test_evaluation_runs_in_eval_mode_and_training_continues_in_train_mode(dropo
     pipe, _ = build_pipe(prepared.options)
     with pipe:
         assert pipe.training and all(m.training for m in pipe.hf_model.modules())
-        got = mean_token_loss(pipe, prepared.eval_batches)
+        got, _ = evaluate(pipe, prepared.eval_batches)
         assert pipe.training and all(m.training for m in pipe.hf_model.modules())
     # the adapters start as zero updates (lora_B = 0): the base model, in eval mode
     reference = transformers.AutoModelForCausalLM.from_pretrained(
