@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -30,6 +31,7 @@ from .base import (
     Timer,
     without_grad,
 )
+from .cuda_errors import HOST_REGISTER_READ_ONLY, clear_last_error, context_lost
 from .host_blocks import DEFAULT_CACHE_BYTES, PAGE, HostBlockPool
 
 # No stream priorities: copy engines serve copies of one direction in issue order
@@ -92,9 +94,9 @@ class _CudaStream(Stream):
             try:
                 fn()
             except BaseException as exc:  # noqa: BLE001 - sticky, reported through events
-                self.error = exc
+                self.error = pool.note_error(exc)
                 return
-            pool.timing_end(self.device.index, self.name, info, start, self.stream)
+            pool.timing_end(self.device.position, self.name, info, start, self.stream)
 
     def record(self) -> Event:
         # blocking: a host waiting on it sleeps instead of spinning against the CPU optimizer
@@ -111,9 +113,12 @@ class _CudaStream(Stream):
 
 
 class CudaDevice(Device):
-    def __init__(self, pool: CudaDevicePool, index: int) -> None:
+    def __init__(self, pool: CudaDevicePool, index: int, position: int) -> None:
         self.pool = pool
         self.index = index
+        """The GPU's number; workers sharing a GPU (``cuda:0,0``) have the same."""
+        self.position = position
+        """The worker's place in the pool (its timeline row)."""
         self.torch_device = torch.device("cuda", index)
         self.streams = {name: _CudaStream(self, name.value) for name in StreamName}
 
@@ -155,9 +160,11 @@ class CudaDevice(Device):
         return _CudaTimer()
 
     def memory_capacity(self) -> int | None:
-        """What plans may use: the GPU's memory less the pool's headroom."""
+        """What plans may use: the GPU's memory less the pool's headroom, shared equally
+        by the workers on this GPU (``cuda:0,0``: half each)."""
         total = torch.cuda.get_device_properties(self.index).total_memory
-        return max(0, int(total * (1 - self.pool.headroom_fraction)) - self.pool.headroom_bytes)
+        usable = max(0, int(total * (1 - self.pool.headroom_fraction)) - self.pool.headroom_bytes)
+        return usable // self.pool.workers_on(self.index)
 
     @contextlib.contextmanager
     def random_scope(self, seed: int, module: Any) -> Iterator[None]:
@@ -218,7 +225,13 @@ class CudaDevicePool(DevicePool):
         self._registered: list[torch.UntypedStorage] = []
         self._host_registered: set[int] = set()  # addresses of registered host blocks
         self.host_blocks = HostBlockPool(host_cache_bytes, self._lock_block, self._unlock_block)
-        self.devices = [CudaDevice(self, i) for i in indices]
+        self.devices: list[CudaDevice] = [
+            CudaDevice(self, i, position) for position, i in enumerate(indices)
+        ]
+        self.pin_fallbacks = 0
+        """Tensors ``pin(mode="auto")`` could not register and copied into pinned memory."""
+        self.lost: BaseException | None = None
+        """A sticky CUDA error (:func:`context_lost`): every later op fails with it."""
         self._recording = False
         self._pending: list[tuple[int, str, OpInfo, torch.cuda.Event, torch.cuda.Event]] = []
         self._origin: dict[int, tuple[torch.cuda.Event, float]] = {}
@@ -249,19 +262,37 @@ class CudaDevicePool(DevicePool):
             if code == 0:
                 return tensor
             if mode == "auto":
+                self._note_fallback(code)
                 return tensor.pin_memory()
             raise RuntimeError(
                 f"cudaHostRegister failed with CUDA error {code}; use pin_model='alloc' or 'off'"
             )
         raise ValueError(f"pin_model must be 'auto', 'alloc', 'register' or 'off', got {mode!r}")
 
+    def workers_on(self, index: int) -> int:
+        """How many of the pool's workers run on GPU ``index``."""
+        return sum(device.index == index for device in self.devices)
+
     def _register(self, storage: torch.UntypedStorage) -> int:
-        result = torch.cuda.cudart().cudaHostRegister(storage.data_ptr(), storage.nbytes(), 0)
-        code = int(getattr(result, "value", result))
+        """``cudaHostRegister`` the storage (read-only where plain registration is
+        refused: the GPU only reads weights and inputs); 0 or the CUDA error code."""
+        code = self._host_register(storage.data_ptr(), storage.nbytes(), 0)
+        if code != 0:
+            code = self._host_register(
+                storage.data_ptr(), storage.nbytes(), HOST_REGISTER_READ_ONLY
+            )
         if code == 0:
             self._registered.append(storage)  # kept alive until unregistered
-        else:
-            _clear_last_error()
+        return code
+
+    def _host_register(self, address: int, size: int, flags: int) -> int:
+        """``cudaHostRegister`` under the pool's first GPU (no context made on GPU 0 for
+        ``cuda:1,2``); a refusal's error is cleared so no later launch reports it."""
+        with torch.cuda.device(self.devices[0].index):
+            result = torch.cuda.cudart().cudaHostRegister(address, size, flags)
+        code = int(getattr(result, "value", result))
+        if code != 0:
+            clear_last_error()
         return code
 
     def _lock_block(self, size: int) -> torch.Tensor:
@@ -271,9 +302,7 @@ class CudaDevicePool(DevicePool):
         backing = torch.empty(size + PAGE, dtype=torch.uint8)
         offset = -backing.data_ptr() % PAGE
         block = backing[offset : offset + size]
-        result = torch.cuda.cudart().cudaHostRegister(block.data_ptr(), size, 0)
-        if int(getattr(result, "value", result)) != 0:
-            _clear_last_error()
+        if self._host_register(block.data_ptr(), size, 0) != 0:
             return torch.empty(size, dtype=torch.uint8, pin_memory=True)
         self._host_registered.add(block.data_ptr())
         return block
@@ -281,7 +310,8 @@ class CudaDevicePool(DevicePool):
     def _unlock_block(self, block: torch.Tensor) -> None:
         if block.data_ptr() in self._host_registered:
             self._host_registered.discard(block.data_ptr())
-            torch.cuda.cudart().cudaHostUnregister(block.data_ptr())
+            with torch.cuda.device(self.devices[0].index):
+                torch.cuda.cudart().cudaHostUnregister(block.data_ptr())
 
     def _synchronize(self) -> None:
         for device in self.devices:
@@ -291,15 +321,38 @@ class CudaDevicePool(DevicePool):
         """Unregister the host memory :meth:`pin` registered and give back the download
         blocks (those still held by tensors when these die); safe to call again."""
         registered, self._registered = self._registered, []
-        for storage in registered:
-            torch.cuda.cudart().cudaHostUnregister(storage.data_ptr())
+        with torch.cuda.device(self.devices[0].index):
+            for storage in registered:
+                torch.cuda.cudart().cudaHostUnregister(storage.data_ptr())
         self.host_blocks.close(synchronize=self._synchronize)
 
     def rng_lock(self, index: int) -> threading.RLock:
         """Held while launching random kernels on GPU ``index`` (shared by its workers)."""
         return self._rng_locks[index]
 
+    def _note_fallback(self, code: int) -> None:
+        self.pin_fallbacks += 1
+        if self.pin_fallbacks == 1:
+            warnings.warn(
+                f"cudaHostRegister refused a tensor (CUDA error {code}); it and any other "
+                "refused one are copied into pinned memory instead, which costs host memory "
+                "(pool.pin_fallbacks counts them; pin_model='off' keeps them pageable)",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+
+    def note_error(self, error: BaseException) -> BaseException:
+        """The error a stream op raised, as it is to be reported: a sticky CUDA error
+        becomes the pool's lost context (:func:`context_lost`), reported from then on."""
+        lost = self.lost or context_lost(error)
+        if lost is not None:
+            self.lost = lost
+            return lost
+        return error
+
     def clear_errors(self) -> None:
+        if self.lost is not None:  # the context cannot run anything again
+            return
         for device in self.devices:
             for stream in device.streams.values():
                 stream.error = None
@@ -311,7 +364,7 @@ class CudaDevicePool(DevicePool):
             with torch.cuda.device(device.index):
                 origin = torch.cuda.Event(enable_timing=True, blocking=True)
                 origin.record()
-            self._origin[device.index] = (origin, time.perf_counter())
+            self._origin[device.position] = (origin, time.perf_counter())
         self._recording = True
 
     def timing_start(self, stream: torch.cuda.Stream) -> torch.cuda.Event | None:
@@ -331,7 +384,7 @@ class CudaDevicePool(DevicePool):
         self._pending.append((device, name, info, start, end))
 
     def spans(self) -> list[SpanRecord]:
-        torch.cuda.synchronize()
+        self._synchronize()
         spans = []
         for device, name, info, start, end in self._pending:
             origin, origin_wall = self._origin[device]
@@ -340,11 +393,3 @@ class CudaDevicePool(DevicePool):
                 SpanRecord(device, name, info, begin, begin + start.elapsed_time(end) / 1e3)
             )
         return spans
-
-
-def _clear_last_error() -> None:
-    """Reset CUDA's last error after a refused ``cudaHostRegister`` (the fallback is
-    fine), so a later launch check does not report it."""
-    get_last_error = getattr(torch.cuda.cudart(), "cudaGetLastError", None)
-    if get_last_error is not None:
-        get_last_error()

@@ -51,7 +51,7 @@ class LayerBinding:
         self.buffer_slots = _slots(module, "_buffers")
         self.param_uids = list(dict.fromkeys(s.uid for s in self.param_slots))
         self.buffer_uids = list(dict.fromkeys(s.uid for s in self.buffer_slots))
-        self._shells: dict[int, nn.Module] = {}
+        self._shells: dict[object, nn.Module] = {}  # one per device (worker), not per GPU
         self._targets: dict[int, _ShellTargets] = {}  # id(shell) -> where tensors go
         self._lock = threading.Lock()
         self._repr = f"layer {self.index} ({self.name}: {type(self.module).__name__})"
@@ -105,13 +105,15 @@ class LayerBinding:
     def __repr__(self) -> str:
         return self._repr
 
-    def shell(self, device_index: int) -> nn.Module:
+    def shell(self, device: object) -> nn.Module:
+        """The shell ``device`` binds and runs: one per device of the pool, so workers
+        sharing a GPU (``cuda:0,0``) never bind one shell at once."""
         with self._lock:
-            if device_index not in self._shells:
+            if device not in self._shells:
                 shell = self._make_shell()
                 self._targets[id(shell)] = _ShellTargets(self, shell)
-                self._shells[device_index] = shell
-            return self._shells[device_index]
+                self._shells[device] = shell
+            return self._shells[device]
 
     def _make_shell(self) -> nn.Module:
         memo: dict[int, object] = {}

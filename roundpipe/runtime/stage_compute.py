@@ -124,7 +124,7 @@ class StageCompute:
         microbatch's)."""
         layer = self.layers[index]
         params, buffers = self.weights.value
-        shell = layer.shell(self.device.index)
+        shell = layer.shell(self.device)
         layer.bind(shell, params, buffers, check_on_device=self.device.is_on_device)
         args, kwargs = value
         try:

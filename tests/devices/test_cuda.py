@@ -89,10 +89,14 @@ def test_cuda_recompute_reproduces_dropout_masks_across_devices():
 
 
 def test_cuda_memory_returns_to_baseline_after_synchronize():
+    # cuBLAS keeps a workspace per (handle, stream) in the caching allocator for good:
+    # the baseline is taken after a first call has made them.
     x, y = batch()
-    torch.cuda.synchronize()
-    before = torch.cuda.memory_allocated()
     with RoundPipe(mlp(), devices=gpu_spec(2)) as pipe:
+        pipe.forward_backward((x,), label=y, loss_fn=mse_sum)
+        pipe.synchronize()
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
         for _ in range(3):
             pipe.forward_backward((x,), label=y, loss_fn=mse_sum)
         pipe.synchronize()
@@ -146,3 +150,32 @@ def test_cuda_a_device_holds_at_most_two_stages_of_weights():
         peak = torch.cuda.max_memory_allocated(0) - base
     activations = 16 * 16 * width * 4  # generous: a few microbatches in flight
     assert peak <= 2 * 2 * layer_bytes + activations, f"peak {peak / 2**20:.1f} MiB"
+
+
+def test_cuda_workers_sharing_a_gpu_share_its_capacity():
+    with RoundPipe(mlp(), devices="cuda:0") as one, RoundPipe(mlp(), devices="cuda:0,0") as two:
+        alone = one.pool.devices[0].memory_capacity()
+        shared = [device.memory_capacity() for device in two.pool]
+    assert shared == [alone // 2, alone // 2]
+
+
+def test_cuda_a_refused_registration_leaves_no_error_for_the_next_kernel():
+    """A read-only file mapping cannot be registered for device writes: ``auto`` pins it
+    another way (read-only registration or a pinned copy), and the refused call's error
+    is not reported by the next kernel launched on this thread."""
+    import mmap
+    import tempfile
+
+    with tempfile.TemporaryFile() as file:
+        file.write(b"\0" * (1 << 20))
+        file.flush()
+        mapped = mmap.mmap(file.fileno(), 1 << 20, prot=mmap.PROT_READ)
+        tensor = torch.frombuffer(mapped, dtype=torch.uint8)
+        with RoundPipe(mlp(), devices="cuda:0", pin_model="auto") as pipe:
+            pinned = pipe.pool.pin(tensor, "auto")
+            assert torch.equal(pinned, tensor)
+            y = torch.ones(4, device="cuda") * 2  # a kernel launch, checked
+            torch.cuda.synchronize()
+            assert float(y.sum()) == 8.0
+        del tensor, pinned
+        mapped.close()
