@@ -277,6 +277,10 @@ class DevicePool(abc.ABC):
     def pin(self, tensor: torch.Tensor, mode: str) -> torch.Tensor:
         """Page-lock a host tensor per ``mode`` ("alloc" | "register" | "off")."""
 
+    def unpin(self, address: int) -> None:  # noqa: B027 - optional hook
+        """Give back what :meth:`pin` took for the storage at ``address`` (a CUDA host
+        registration), once the runtime no longer uses it; nothing to give by default."""
+
     @abc.abstractmethod
     def clear_errors(self) -> None:
         """After a failure has been reported: let the streams run again."""

@@ -33,6 +33,7 @@ from .base import (
 )
 from .cuda_errors import HOST_REGISTER_READ_ONLY, clear_last_error, context_lost
 from .host_blocks import DEFAULT_CACHE_BYTES, PAGE, HostBlockPool
+from .host_registrations import REGISTRATIONS
 
 # No stream priorities: copy engines serve copies of one direction in issue order
 # whatever their stream's priority, so the runtime orders transfers itself (it issues
@@ -222,7 +223,7 @@ class CudaDevicePool(DevicePool):
         self.headroom_bytes = headroom_bytes
         self.headroom_fraction = headroom_fraction
         self._rng_locks = {i: threading.RLock() for i in indices}
-        self._registered: list[torch.UntypedStorage] = []
+        self._registered: list[int] = []  # addresses this pool holds (REGISTRATIONS)
         self._host_registered: set[int] = set()  # addresses of registered host blocks
         self.host_blocks = HostBlockPool(host_cache_bytes, self._lock_block, self._unlock_block)
         self.devices: list[CudaDevice] = [
@@ -241,7 +242,8 @@ class CudaDevicePool(DevicePool):
 
     def pin(self, tensor: torch.Tensor, mode: str) -> torch.Tensor:
         """Page-lock ``tensor``. ``"register"`` locks its own storage in place
-        (``cudaHostRegister``, undone at :meth:`close`): no copy and none of the
+        (``cudaHostRegister``; shared with other pools that lock it too, undone when the
+        last holder gives it back: :meth:`close`, :meth:`unpin`): no copy and none of the
         power-of-two rounding of ``pin_memory()``'s caching host allocator, which could
         double the host memory of the weights. ``"auto"`` registers and falls back to
         ``"alloc"`` (a pinned copy) where registering fails.
@@ -253,7 +255,12 @@ class CudaDevicePool(DevicePool):
         driver stages uploads from pageable memory."""
         if getattr(tensor.untyped_storage(), MAPPED_FILE_ATTR, None) is not None:
             return tensor
-        if mode == "off" or tensor.is_pinned():
+        if mode == "off":
+            return tensor
+        if REGISTRATIONS.hold(tensor.untyped_storage().data_ptr()):  # another pool's too
+            self._registered.append(tensor.untyped_storage().data_ptr())
+            return tensor
+        if tensor.is_pinned():
             return tensor
         if mode == "alloc":
             return tensor.pin_memory()
@@ -269,6 +276,15 @@ class CudaDevicePool(DevicePool):
             )
         raise ValueError(f"pin_model must be 'auto', 'alloc', 'register' or 'off', got {mode!r}")
 
+    def unpin(self, address: int) -> None:
+        if address in self._registered:
+            self._registered.remove(address)
+            REGISTRATIONS.release(address, self._unregister)
+
+    def _unregister(self, address: int) -> None:
+        with torch.cuda.device(self.devices[0].index):
+            torch.cuda.cudart().cudaHostUnregister(address)
+
     def workers_on(self, index: int) -> int:
         """How many of the pool's workers run on GPU ``index``."""
         return sum(device.index == index for device in self.devices)
@@ -282,7 +298,8 @@ class CudaDevicePool(DevicePool):
                 storage.data_ptr(), storage.nbytes(), HOST_REGISTER_READ_ONLY
             )
         if code == 0:
-            self._registered.append(storage)  # kept alive until unregistered
+            REGISTRATIONS.add(storage)  # kept alive until its last holder releases it
+            self._registered.append(storage.data_ptr())
         return code
 
     def _host_register(self, address: int, size: int, flags: int) -> int:
@@ -321,9 +338,8 @@ class CudaDevicePool(DevicePool):
         """Unregister the host memory :meth:`pin` registered and give back the download
         blocks (those still held by tensors when these die); safe to call again."""
         registered, self._registered = self._registered, []
-        with torch.cuda.device(self.devices[0].index):
-            for storage in registered:
-                torch.cuda.cudart().cudaHostUnregister(storage.data_ptr())
+        for address in registered:
+            REGISTRATIONS.release(address, self._unregister)
         self.host_blocks.close(synchronize=self._synchronize)
 
     def rng_lock(self, index: int) -> threading.RLock:

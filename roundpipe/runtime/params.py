@@ -43,6 +43,9 @@ class ParamEntry:
         """On several nodes: this node's gradient since the last step, before the
         reduction across nodes adds the sum into the owner's ``master.grad``."""
         self.seen = (param.data_ptr(), param._version)
+        self.pinned_storage = 0
+        """The address of the storage the pool page-locked for it (given back when the
+        user replaces it: :meth:`~roundpipe.devices.base.DevicePool.unpin`)."""
 
     def externally_modified(self) -> bool:
         """Whether the user wrote into (or replaced) the parameter since we last looked."""
@@ -85,6 +88,7 @@ class ParameterStore:
             pinned = pin(entry.param.data)
             if pinned is not entry.param.data:
                 entry.param.data = pinned
+            entry.pinned_storage = entry.param.untyped_storage().data_ptr()
             entry.mark_seen()
         self.user_param_ids = frozenset(id(entry.param) for entry in self.entries.values())
         self._grad_lock = threading.Lock()

@@ -69,7 +69,9 @@ class Session:
         self.owns_pool = owns_pool
         self.store = store
         pin = functools.partial(pool.pin, mode=pin_model)
-        self.versions = WeightVersions(store, pin, node.gather if node is not None else None)
+        self.versions = WeightVersions(
+            store, pin, pool.unpin, node.gather if node is not None else None
+        )
         buffer_gates = {layer.index: VersionGate(0) for layer in layers if layer.buffer_uids}
         self.workers = [
             DeviceWorker(

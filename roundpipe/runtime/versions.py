@@ -61,10 +61,12 @@ class WeightVersions:
         self,
         store: ParameterStore,
         pin: Callable[[torch.Tensor], torch.Tensor],
+        unpin: Callable[[int], None],
         gather: Callable[[Callable[[int], torch.Tensor]], None] | None = None,
     ) -> None:
         self.store = store
         self._pin = pin
+        self._unpin = unpin
         self._spares: dict[int, torch.Tensor] = {}
         self.published = VersionGate(0)
         self.gather = gather
@@ -144,7 +146,7 @@ class WeightVersions:
         with torch.no_grad():
             for uid, entry in self.store.entries.items():
                 if entry.externally_modified():
-                    _adopt(entry, self._pin)
+                    _adopt(entry, self._pin, self._unpin)
                     rewritten = True
                 elif moved and entry.trainable:
                     entry.param.data.copy_(self._spare(uid))
@@ -163,10 +165,18 @@ class WeightVersions:
         self.publish(state.newest, state.home_of(state.newest))
 
 
-def _adopt(entry: ParamEntry, pin: Callable[[torch.Tensor], torch.Tensor]) -> None:
+def _adopt(
+    entry: ParamEntry, pin: Callable[[torch.Tensor], torch.Tensor], unpin: Callable[[int], None]
+) -> None:
+    """The user wrote into (or replaced) ``entry``'s tensor: page-lock what it holds now,
+    give back the hold on what it held (a replaced storage is not kept locked and
+    alive), and the master takes the values."""
+    held = entry.pinned_storage
     pinned = pin(entry.param.data)
     if pinned is not entry.param.data:
         entry.param.data = pinned
+    entry.pinned_storage = entry.param.untyped_storage().data_ptr()
+    unpin(held)
     if entry.master is not None and not entry.aliased:  # an aliased one: make_current
         entry.master.copy_(entry.param.data)
     entry.mark_seen()
