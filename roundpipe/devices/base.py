@@ -255,6 +255,14 @@ class Device(abc.ABC):
     @abc.abstractmethod
     def reset_peak_memory(self) -> None: ...
 
+    def reserved_memory(self) -> tuple[int, int, int]:
+        """What the device's allocator holds beyond the tensors: bytes reserved now, the
+        peak since the last reset, and how often an allocation had to free cached
+        blocks and retry (``torch.cuda``'s ``memory_reserved``, ``max_memory_reserved``
+        and ``num_alloc_retries``). A device without a caching allocator reserves
+        exactly what its tensors hold."""
+        return self.memory_allocated(), self.max_memory_allocated(), 0
+
     def is_on_device(self, tensor: torch.Tensor) -> bool:
         return tensor.device == self.torch_device
 

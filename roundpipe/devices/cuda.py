@@ -194,6 +194,11 @@ class CudaDevice(Device):
     def reset_peak_memory(self) -> None:
         torch.cuda.reset_peak_memory_stats(self.index)
 
+    def reserved_memory(self) -> tuple[int, int, int]:
+        retries = torch.cuda.memory_stats(self.index).get("num_alloc_retries", 0)
+        index = self.index
+        return torch.cuda.memory_reserved(index), torch.cuda.max_memory_reserved(index), retries
+
 
 class CudaDevicePool(DevicePool):
     kind = "cuda"

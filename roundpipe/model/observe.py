@@ -44,20 +44,32 @@ class Observation(PipeParts):
         """One dict per device of the pool: ``device`` (``"cuda:0"``, ``"emulated:0"``),
         ``allocated`` (bytes held by tensors now, as ``torch.cuda.memory_allocated``)
         and ``peak`` (the most held since the pool was made or
-        :meth:`reset_peak_memory`, as ``torch.cuda.max_memory_allocated``).
+        :meth:`reset_peak_memory`, as ``torch.cuda.max_memory_allocated``); what the
+        allocator holds besides, which is what runs out on a GPU (its caching allocator
+        keeps freed blocks, per stream, rounded and split): ``reserved``,
+        ``peak_reserved`` and ``alloc_retries`` (allocations that had to free its cache
+        and retry: near capacity, a sign of fragmentation), as ``torch.cuda`` reports
+        them (the emulator reserves what its tensors hold). Workers sharing a GPU
+        (``cuda:0,0``) each report the whole GPU's figures.
 
         Like those functions it does not wait for queued work: call
         :meth:`synchronize` first for the figures of everything issued. The emulated
         devices count what layers compute only with a ``capacity_bytes`` (or
         ``count_compute_memory=True``): docs/design.md#emulator-kindnesses."""
-        return [
-            {
-                "device": repr(device),
-                "allocated": device.memory_allocated(),
-                "peak": device.max_memory_allocated(),
-            }
-            for device in self.pool
-        ]
+        figures = []
+        for device in self.pool:
+            reserved, peak_reserved, retries = device.reserved_memory()
+            figures.append(
+                {
+                    "device": repr(device),
+                    "allocated": device.memory_allocated(),
+                    "peak": device.max_memory_allocated(),
+                    "reserved": reserved,
+                    "peak_reserved": peak_reserved,
+                    "alloc_retries": retries,
+                }
+            )
+        return figures
 
     def reset_peak_memory(self) -> None:
         """Start every device's ``peak`` again from what it holds now (as

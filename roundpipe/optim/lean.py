@@ -126,18 +126,27 @@ class _LeanSteps(_OptimizerBase):
             self.state[params[index]][key] = value.clone()
 
     def _step_one(self, index: int, param: Tensor, group: dict) -> None:
-        state = self.state[param]
+        assert param.grad is not None
+        target = param.detach()
+        # A parameter without a flat view (a transposed weight, a column slice) is
+        # stepped as a contiguous copy, its values in the logical order that torchao's
+        # blocks and the rounding's random numbers follow, and written back in place.
+        flat = target.contiguous().view(-1)  # the parameter itself where contiguous
+        self._step_flat(index, flat, param.grad, self.state[param], group)
+        if not target.is_contiguous():
+            target.copy_(flat.view(target.shape))
+
+    def _step_flat(self, index: int, flat: Tensor, grad: Tensor, state: dict, group: dict):
+        """One step of ``flat`` (a contiguous 1-D parameter) and its ``state``."""
         if len(state) == 0:
-            flat = param.detach().view(-1)
             state["step"] = torch.tensor(0.0)
             state["exp_avg"] = self._new_buffer(flat, True)
             state["exp_avg_sq"] = self._new_buffer(flat, False)
         state["step"] += 1
         shape = state["exp_avg"].shape
-        target = param.detach().view(shape)
-        assert param.grad is not None
-        grad = param.grad.reshape(shape)
-        rounds = self.bf16_stochastic_round and param.dtype is torch.bfloat16
+        target = flat.view(shape)
+        grad = grad.contiguous().view(shape)
+        rounds = self.bf16_stochastic_round and flat.dtype is torch.bfloat16
         key = _mix(self.seed, index, int(state["step"].item())) if rounds else None
         args: tuple[Tensor | float, ...] = (state["step"], state["exp_avg"], state["exp_avg_sq"])
         args += (group["lr"], *group["betas"], group["weight_decay"], group["eps"])

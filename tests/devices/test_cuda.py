@@ -179,3 +179,14 @@ def test_cuda_a_refused_registration_leaves_no_error_for_the_next_kernel():
             assert float(y.sum()) == 8.0
         del tensor, pinned
         mapped.close()
+
+
+def test_cuda_device_memory_reports_the_caching_allocators_figures():
+    x, y = batch()
+    with RoundPipe(mlp(), devices="cuda:0") as pipe:
+        pipe.forward_backward((x,), label=y, loss_fn=mse_sum)
+        pipe.synchronize()
+        torch.cuda.synchronize()
+        (row,) = pipe.device_memory()
+    assert row["reserved"] >= row["allocated"] and row["peak_reserved"] >= row["peak"] > 0
+    assert row["alloc_retries"] == torch.cuda.memory_stats(0).get("num_alloc_retries", 0)

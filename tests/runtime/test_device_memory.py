@@ -126,10 +126,14 @@ def test_device_memory_reports_each_devices_allocated_and_peak_bytes():
         for device in wrapped.pool:
             drained(device)
         rows = wrapped.device_memory()
-        assert [set(row) for row in rows] == [{"device", "allocated", "peak"}] * 4
+        keys = {"device", "allocated", "peak", "reserved", "peak_reserved", "alloc_retries"}
+        assert [set(row) for row in rows] == [keys] * 4
         for row, device in zip(rows, wrapped.pool, strict=True):
             assert row["peak"] == device.max_memory_allocated()
             assert row["allocated"] == device.memory_allocated() == 0
+            # no caching allocator: it reserves what its tensors hold, never retries
+            assert (row["reserved"], row["peak_reserved"]) == (row["allocated"], row["peak"])
+            assert row["alloc_retries"] == 0
             # two stages' weights were on every device at once (a stage and its prefetch)
             assert 2 * STAGE_BYTES <= row["peak"] <= bound(1)
         wrapped.reset_peak_memory()
