@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
 # The prepared GPU check, one bounded run that tells everything: the machine, CUDA tests
-# against PyTorch, NF4 dequantize on CUDA against the CPU bit for bit, a short throughput
-# probe, then one step of a 2-layer Llama-3.1-8B-shaped model at the longest sequence
-# predicted for a 24 GiB card (the allocator capped to it), its measured peak beside the
-# prediction (docs/design.md#long-context).
+# against PyTorch, the same with every stream op delayed (race windows widened: a
+# missing wait then reads stale or reused memory), a curated slice of the emulator's
+# tests on CUDA workers (from_hf against transformers, training against PyTorch), NF4
+# dequantize on CUDA against the CPU bit for bit, a short throughput probe, then one
+# step of a 2-layer Llama-3.1-8B-shaped model at the longest sequence predicted for a
+# 24 GiB card (the allocator capped to it), its measured peak beside the prediction
+# (docs/design.md#long-context).
 #
 #   bench/gpu_check.sh              # on a machine with an NVIDIA GPU
 #   bench/gpu_check.sh --dry-run    # every step on emulated devices or skipped, with why
@@ -31,6 +34,9 @@ fi
 PYTEST=("$PY" -m pytest -p no:cacheprovider -o addopts="" -o faulthandler_timeout=120
         -rfEs --tb=short --durations=10 -q)
 CUDA_TESTS=(tests/devices/test_cuda.py tests/devices/test_host_block_pool.py)
+# the emulator's tests whose oracle holds on a GPU within their tolerances
+CUDA_SLICE=(tests/hf/test_hf_from_hf.py tests/model/test_training_matches_pytorch.py
+            tests/hf/test_token_accuracy.py)
 ROWS=()
 STATUS=0
 
@@ -57,20 +63,25 @@ skip() {
 if [ "$DRY" -eq 1 ]; then
     skip machine "no GPU in a dry run (nvidia-smi)"
 else
-    step machine 20 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+    step machine 10 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
 fi
-step versions 30 "$PY" -c "import sys, torch; print('python', sys.version.split()[0], \
+step versions 20 "$PY" -c "import sys, torch; print('python', sys.version.split()[0], \
 'torch', torch.__version__, 'cuda', torch.version.cuda, 'gpus', torch.cuda.device_count())"
 if [ "$DRY" -eq 1 ]; then
     step cuda-tests 120 "${PYTEST[@]}" "${CUDA_TESTS[@]}"
+    skip race-windows "it delays CUDA stream ops (ROUNDPIPE_CUDA_DELAY_CYCLES)"
+    skip cuda-slice "it runs emulator tests on CUDA workers (ROUNDPIPE_TESTS_ON_CUDA)"
     step nf4 60 "$PY" bench/gpu_nf4_check.py --device cpu
     skip probe "it times CUDA kernels against PyTorch on the same GPU"
     skip long-context "it measures a CUDA allocator's peak"
 else
-    step cuda-tests 210 "${PYTEST[@]}" -m cuda "${CUDA_TESTS[@]}"
-    step nf4 60 "$PY" bench/gpu_nf4_check.py --device cuda:0
-    step probe 90 "$PY" bench/gpu_probe.py --devices cuda:0,0,0 --steps 12
-    step long-context 120 "$PY" bench/long_context.py --gpu cuda:0 --layers 2 --budget-gib 24
+    step cuda-tests 150 "${PYTEST[@]}" -m cuda "${CUDA_TESTS[@]}"
+    ROUNDPIPE_CUDA_DELAY_CYCLES=2000000 step race-windows 60 "${PYTEST[@]}" -m cuda \
+        -k "gradients_match or async or dropout or host_block" "${CUDA_TESTS[@]}"
+    ROUNDPIPE_TESTS_ON_CUDA=1 step cuda-slice 90 "${PYTEST[@]}" -x "${CUDA_SLICE[@]}"
+    step nf4 40 "$PY" bench/gpu_nf4_check.py --device cuda:0
+    step probe 60 "$PY" bench/gpu_probe.py --devices cuda:0,0,0 --steps 12
+    step long-context 90 "$PY" bench/long_context.py --gpu cuda:0 --layers 2 --budget-gib 24
 fi
 
 echo

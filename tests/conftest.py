@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -32,6 +33,30 @@ from support.train_cli import finish_train_runs, write_train_files
 from torch import nn
 
 from roundpipe import RoundPipe, RoundPipeRunConfig
+
+# -- on a GPU: the emulator's tests on CUDA workers --------------------------------------
+
+ON_CUDA = os.environ.get("ROUNDPIPE_TESTS_ON_CUDA") == "1"
+"""Set by ``bench/gpu_check.sh``'s curated slice: ``"emulated:N"`` (without emulated
+options) builds N CUDA workers over the GPUs there are, ``cuda:0,...,0`` on one."""
+
+
+@pytest.fixture(autouse=ON_CUDA)
+def emulated_specs_on_cuda(monkeypatch) -> None:
+    import roundpipe.devices
+    import roundpipe.model
+
+    build = roundpipe.devices.make_pool
+
+    def on_cuda(spec=None, emulated_options=None):
+        if isinstance(spec, str) and spec.startswith("emulated:") and emulated_options is None:
+            workers, gpus = int(spec.split(":")[1]), torch.cuda.device_count()
+            spec = "cuda:" + ",".join(str(i % gpus) for i in range(workers))
+        return build(spec, emulated_options)
+
+    monkeypatch.setattr(roundpipe.devices, "make_pool", on_cuda)
+    monkeypatch.setattr(roundpipe.model, "make_pool", on_cuda)
+
 
 # -- the runtime tests -----------------------------------------------------------------
 

@@ -10,8 +10,8 @@ another stream alive (docs/design.md#cuda-backend).
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
-import time
 import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -32,8 +32,13 @@ from .base import (
     without_grad,
 )
 from .cuda_errors import HOST_REGISTER_READ_ONLY, clear_last_error, context_lost
+from .cuda_timeline import CudaTimeline
 from .host_blocks import DEFAULT_CACHE_BYTES, PAGE, HostBlockPool
 from .host_registrations import REGISTRATIONS
+
+DELAY_VARIABLE = "ROUNDPIPE_CUDA_DELAY_CYCLES"
+"""Set, every stream op first spins that many GPU cycles on its stream: the GPU analogue
+of the emulator's jitter, which widens every race window (``bench/gpu_check.sh``)."""
 
 # No stream priorities: copy engines serve copies of one direction in issue order
 # whatever their stream's priority, so the runtime orders transfers itself (it issues
@@ -91,13 +96,15 @@ class _CudaStream(Stream):
             return
         pool = self.device.pool
         with torch.cuda.device(self.device.index), torch.cuda.stream(self.stream):
-            start = pool.timing_start(self.stream)
+            if pool.delay_cycles:  # widens every race window (a missing wait then shows)
+                torch.cuda._sleep(pool.delay_cycles)
+            start = pool.timeline.op_start(self.stream)
             try:
                 fn()
             except BaseException as exc:  # noqa: BLE001 - sticky, reported through events
                 self.error = pool.note_error(exc)
                 return
-            pool.timing_end(self.device.position, self.name, info, start, self.stream)
+            pool.timeline.op_end(self.device.position, self.name, info, start, self.stream)
 
     def record(self) -> Event:
         # blocking: a host waiting on it sleeps instead of spinning against the CPU optimizer
@@ -234,13 +241,13 @@ class CudaDevicePool(DevicePool):
         self.devices: list[CudaDevice] = [
             CudaDevice(self, i, position) for position, i in enumerate(indices)
         ]
+        self.delay_cycles = int(os.environ.get(DELAY_VARIABLE, "0") or 0)
+        """GPU clock cycles every stream op is delayed by (a test knob, 0 in use)."""
         self.pin_fallbacks = 0
         """Tensors ``pin(mode="auto")`` could not register and copied into pinned memory."""
         self.lost: BaseException | None = None
         """A sticky CUDA error (:func:`context_lost`): every later op fails with it."""
-        self._recording = False
-        self._pending: list[tuple[int, str, OpInfo, torch.cuda.Event, torch.cuda.Event]] = []
-        self._origin: dict[int, tuple[torch.cuda.Event, float]] = {}
+        self.timeline = CudaTimeline()
 
     def __repr__(self) -> str:
         return f"CudaDevicePool({[d.index for d in self.devices]})"
@@ -379,38 +386,8 @@ class CudaDevicePool(DevicePool):
                 stream.error = None
 
     def start_recording(self) -> None:
-        self._pending = []
-        self._origin = {}
-        for device in self.devices:
-            with torch.cuda.device(device.index):
-                origin = torch.cuda.Event(enable_timing=True, blocking=True)
-                origin.record()
-            self._origin[device.position] = (origin, time.perf_counter())
-        self._recording = True
-
-    def timing_start(self, stream: torch.cuda.Stream) -> torch.cuda.Event | None:
-        if not self._recording:
-            return None
-        event = torch.cuda.Event(enable_timing=True, blocking=True)
-        event.record(stream)
-        return event
-
-    def timing_end(
-        self, device: int, name: str, info: OpInfo, start: torch.cuda.Event | None, stream
-    ) -> None:
-        if start is None:
-            return
-        end = torch.cuda.Event(enable_timing=True, blocking=True)
-        end.record(stream)
-        self._pending.append((device, name, info, start, end))
+        self.timeline.start([(d.position, d.index) for d in self.devices])
 
     def spans(self) -> list[SpanRecord]:
         self._synchronize()
-        spans = []
-        for device, name, info, start, end in self._pending:
-            origin, origin_wall = self._origin[device]
-            begin = origin_wall + origin.elapsed_time(start) / 1e3
-            spans.append(
-                SpanRecord(device, name, info, begin, begin + start.elapsed_time(end) / 1e3)
-            )
-        return spans
+        return self.timeline.spans()

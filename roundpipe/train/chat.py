@@ -114,6 +114,18 @@ def _tokens_with_starts(tokenizer: Any, text: str, cuts: list[int]) -> tuple[lis
 
 def special_token_ids(tokenizer: Any) -> set[int]:
     """Ids of the tokenizer's special tokens: the named ones (BOS, EOS, pad...) and every
-    added token marked special (``<|im_end|>``, ``<|eot_id|>``...)."""
+    added token marked special (``<|im_start|>``, ``<|eot_id|>``...). The UNK token is
+    none of them unless another name shares it (GPT-2's is its EOS): it stands for text
+    the vocabulary lacks (an emoji, to a word-level one) and is learnt like the text, as
+    TRL learns it."""
     added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
-    return set(tokenizer.all_special_ids) | {i for i, token in added.items() if token.special}
+    special = set(tokenizer.all_special_ids) | {i for i, token in added.items() if token.special}
+    named = {getattr(tokenizer, f"{name}_token_id", None) for name in _NAMED_BESIDES_UNK}
+    unk = getattr(tokenizer, "unk_token_id", None)
+    if unk not in named:
+        special.discard(unk)
+    return special
+
+
+_NAMED_BESIDES_UNK = ("bos", "eos", "pad", "sep", "cls", "mask")
+"""The special tokens ``transformers`` names, besides UNK."""

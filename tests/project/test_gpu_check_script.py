@@ -20,8 +20,8 @@ def test_the_dry_run_takes_or_skips_every_step_and_tables_them(tmp_path):
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
     table = done.stdout.split("=== summary")[1].splitlines()[2:]
     rows = {line.split()[0]: line.split()[1] for line in table if line.strip()}
-    assert rows == {"machine": "-", "versions": "0", "cuda-tests": "0", "nf4": "0",
-                    "probe": "-", "long-context": "-"}  # fmt: skip
+    assert rows == {"machine": "-", "versions": "0", "cuda-tests": "0", "race-windows": "-",
+                    "cuda-slice": "-", "nf4": "0", "probe": "-", "long-context": "-"}  # fmt: skip
     logs = {p.stem for p in (tmp_path / "out").glob("*.log")}
     assert logs == set(rows)
     assert "skipped: no GPU" in (tmp_path / "out" / "machine.log").read_text()
