@@ -247,3 +247,42 @@ def test_cuda_download_blocks_are_registered_reused_and_given_back():
     finally:
         pool.close()
     assert pool.host_blocks.stats().held_bytes == 0
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_a_download_block_is_not_reused_before_its_delayed_copy_ran():
+    """The copy issued as a stream op of the download stream, which is held back on the
+    GPU (``torch.cuda._sleep``): its block, freed on the host at once, must not be handed
+    out again until the copy ran, and its contents are the device tensor's."""
+    from roundpipe.devices.base import OpInfo
+    from roundpipe.devices.cuda import CudaDevicePool
+
+    pool = CudaDevicePool([0], host_cache_bytes=1 << 20)
+    device = pool.devices[0]
+    download = device.streams["download"]
+    on_device = torch.arange(3000, dtype=torch.float32, device="cuda:0")
+    torch.cuda.synchronize()
+    try:
+        landed: list[torch.Tensor] = []
+
+        def delayed_download() -> None:
+            torch.cuda._sleep(100_000_000)  # ~50-100 ms of GPU clock before the copy
+            landed.append(device.to_host(on_device, download))
+
+        download.submit(delayed_download, OpInfo("download", "delayed"))
+        first = landed.pop()
+        address = first.data_ptr()
+        del first  # freed on the host while its copy waits on the GPU
+        second = pool.host_blocks.empty((3000,), torch.float32)
+        assert second.data_ptr() != address, "a block was reused before its copy ran"
+        done = download.record()
+        done.synchronize()
+        assert download.error is None
+        del second
+        pool.host_blocks.stats()  # files the freed blocks
+        third = pool.host_blocks.empty((3000,), torch.float32)
+        assert pool.host_blocks.stats().reuses >= 1  # once the copies ran, blocks return
+        del third
+    finally:
+        pool.close()
