@@ -29,7 +29,7 @@ from .nf4_format import (
     quantize_nf4,
     quantize_nf4_into,
 )
-from .safetensors_io import StoredTensor, read_into
+from .safetensors_io import CheckpointError, StoredTensor, read_into
 from .structure import named_modules_in_decoder_layers
 
 QUANTIZE_CHOICES = (None, "nf4")
@@ -203,9 +203,36 @@ def quantize_stored(stored: StoredTensor, dtype: torch.dtype) -> tuple[torch.Ten
         read_into(piece, buffer[:count])
         try:
             quantize_nf4_into(buffer[:count], packed, absmax, start)
-        except ValueError as exc:
-            raise ValueError(f"tensor {stored.name!r} in {stored.path}: {exc}") from None
+        except ValueError:  # a block scale is not finite
+            raise not_finite(stored, buffer[:count], start) from None
     return packed, absmax
+
+
+def not_finite(stored: StoredTensor, values: torch.Tensor, first: int) -> CheckpointError:
+    """The error for checkpoint tensor ``stored`` whose flat elements ``first …``, read
+    as ``values`` (in the model dtype), hold NaN or inf: bitsandbytes would quantize
+    their block to garbage (its scale is not finite), so the tensor and the element are
+    named. A finite element the model dtype cannot hold (fp16 overflow) says so."""
+    position = first + int((~torch.isfinite(values.reshape(-1))).nonzero()[0])
+    index = [int(i) for i in torch.unravel_index(torch.tensor(position), stored.shape)]
+    size = stored.dtype.itemsize
+    element = torch.empty(1, dtype=stored.dtype)
+    read_into(
+        replace(stored, shape=(1,), offset=stored.offset + position * size, nbytes=size), element
+    )
+    value = float(element)
+    where = f"tensor {stored.name!r} in {stored.path}"
+    if math.isfinite(value):
+        return CheckpointError(
+            f"{where} holds {value:g} at {index}, which is inf in {values.dtype} (the model's "
+            "dtype): NF4 cannot quantize it; load the model in bfloat16 or float32"
+        )
+    held = "NaN" if math.isnan(value) else f"{value}"
+    return CheckpointError(
+        f"{where} holds {held} at {index}: NF4 cannot quantize a weight that is not finite "
+        "(bitsandbytes would quantize its block to garbage); the checkpoint is damaged: "
+        "re-download or re-save it"
+    )
 
 
 def _decoder_linears(model: nn.Module) -> dict[str, tuple[nn.Module, str, nn.Linear]]:

@@ -34,9 +34,9 @@ import torch
 from torch import nn
 
 from .checkpoint_layout import LoadItem
-from .nf4 import dequantize
+from .nf4 import dequantize, not_finite
 from .nf4_format import BLOCK, CHUNK, absmax_numel, packed_numel, quantize_nf4, quantize_nf4_into
-from .safetensors_io import read_into
+from .safetensors_io import CheckpointError, read_into
 from .structure import named_modules_in_decoder_layers
 
 SUPPORTED = {
@@ -278,11 +278,22 @@ def quantize_expert_pieces(item: LoadItem) -> tuple[torch.Tensor, torch.Tensor]:
                 quantize_nf4_into(
                     flat[start : start + CHUNK], packed[rows].view(-1), absmax[rows].view(-1), start
                 )
-            except ValueError as exc:
-                source = item.pieces[0].stored
-                where = f"experts {first}-{first + count - 1} of {item.target.names[0]}"
-                raise ValueError(f"{where} (from {source.path}): {exc}") from None
+            except ValueError:  # a block scale is not finite
+                raise _not_finite(item, by_expert, first, buffer[:count]) from None
     return packed, absmax
+
+
+def _not_finite(
+    item: LoadItem, by_expert: dict, first: int, experts: torch.Tensor
+) -> CheckpointError:
+    """:func:`.nf4.not_finite` for the checkpoint tensor holding the first element
+    that is not finite of ``experts`` (experts ``first …`` of ``item``, as read)."""
+    expert = int((~torch.isfinite(experts.flatten(1))).any(dim=1).nonzero()[0])
+    values = experts[expert]
+    if item.whole is not None:
+        return not_finite(item.whole, values, (first + expert) * values.numel())
+    piece = next(p for p in by_expert[first + expert] if not values[p.index[1:]].isfinite().all())
+    return not_finite(piece.stored, values[piece.index[1:]], 0)
 
 
 def _read_expert(item: LoadItem, by_expert: dict, expert: int, out: torch.Tensor) -> None:

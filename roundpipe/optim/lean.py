@@ -5,10 +5,12 @@ torchao's ``single_param_adam`` (the 8-bit one: the same arithmetic, in a kernel
 runs fast on CPU, see :mod:`roundpipe.optim.quant8`). What they change is how a step
 walks the parameters:
 
-- **Flat.** Each parameter, gradient and state is stepped as a 1-D view. The states
-  are created flat (``exp_avg`` of a ``(8192, 2048)`` weight has shape ``(16777216,)``);
-  a checkpoint records them as state tensors of another shape than their parameter,
-  which a load then does not compare with it.
+- **Flat.** Each parameter, gradient and state is stepped as a 1-D view (a parameter
+  without one, a transposed weight or a column slice, as a contiguous copy in its
+  logical order, written back in place). The states are created flat (``exp_avg`` of
+  a ``(8192, 2048)`` weight has shape ``(16777216,)``); a checkpoint records them as
+  state tensors of another shape than their parameter, which a load then does not
+  compare with it.
 - **Own random numbers.** torchao's bf16 stochastic rounding draws from the process's
   CPU generator inside its compiled step (inductor seeds its kernels from it). The
   emulated devices seed that generator per layer under a lock of theirs

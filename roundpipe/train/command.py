@@ -13,6 +13,7 @@ from typing import Any
 
 from ..cluster import PeerFailure
 from ..errors import one_line_usage_errors
+from ..hf.safetensors_io import CheckpointError
 from .command_line import add_arguments, command_line_of, given_options
 from .disk import NoSpace
 from .memory_check import OutOfHostMemory
@@ -77,7 +78,7 @@ def run_train(args: argparse.Namespace) -> int:
     """The ``train`` subcommand: its exit code (see the module docstring)."""
     try:
         return _train(command_line_of(args))
-    except UsageError as error:
+    except (UsageError, CheckpointError) as error:  # bad input; a weight found while loading
         args.train_parser.exit(EXIT_USAGE, f"roundpipe train: error: {error}\n")
     except KeyboardInterrupt:
         print("roundpipe train: interrupted", file=sys.stderr)
