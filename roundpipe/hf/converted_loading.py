@@ -61,9 +61,13 @@ def load_converted(
 def quantize_in_place(model: nn.Module) -> None:
     """Every ``nn.Linear`` and supported stacked experts module inside a decoder layer of
     ``model`` (dense host weights) replaced by its NF4 form, one at a time."""
-    for _, parent in named_modules_in_decoder_layers(model):
+    for parent_name, parent in named_modules_in_decoder_layers(model):
         for name, child in list(parent.named_children()):
-            if type(child) is nn.Linear:
-                parent._modules[name] = NF4Linear.from_linear(child)
-            elif type(child).__name__ in SUPPORTED:
-                quantize_experts_module(child)
+            try:
+                if type(child) is nn.Linear:
+                    parent._modules[name] = NF4Linear.from_linear(child)
+                elif type(child).__name__ in SUPPORTED:
+                    quantize_experts_module(child)
+            except ValueError as error:  # a weight NF4 cannot quantize (NaN, inf)
+                where = ".".join(filter(None, (parent_name, name)))
+                raise CheckpointError(f"{where}: {error}; the checkpoint is damaged") from error

@@ -112,3 +112,14 @@ def test_roundpipe_train_refuses_a_nan_weight_in_one_line_with_code_2(tmp_path):
     assert line.startswith(f"roundpipe train: error: tensor {name!r} in ")
     assert "holds NaN at [0, 0]" in line
     assert "Traceback" not in run.stderr
+
+
+def test_a_nan_weight_in_a_model_transformers_converts_is_refused_naming_the_module():
+    # the converted-layout path quantizes the loaded modules in place
+    from roundpipe.hf.converted_loading import quantize_in_place
+
+    model = build("llama")
+    with torch.no_grad():
+        model.model.layers[1].mlp.down_proj.weight[3, 5] = float("nan")
+    with pytest.raises(CheckpointError, match=r"layers\.1\.mlp\.down_proj.*damaged"):
+        quantize_in_place(model)
