@@ -276,11 +276,13 @@ class JobIssuer:
 
         def take_them() -> None:
             params = self.weights.value[0]
-            slot.value = {
+            grads: dict = {
                 uid: t.grad
                 for uid, t in params.items()
                 if store.trainable(uid) and t.grad is not None
             }
+            grads.update(self.compute.tied_grads(store.trainable))  # (uid, layer) keys
+            slot.value = grads
 
         stream.submit(take_them, self.info(op, "bookkeeping", self.name))
 
@@ -340,6 +342,7 @@ class JobIssuer:
     def release(self, op: DeviceOp, stream: Stream) -> None:
         def release() -> None:
             self.weights.value = None
+            self.compute.release()
 
         stream.submit(release, self.info(op, "release", self.name))
 
@@ -347,13 +350,15 @@ class JobIssuer:
 def _accumulate(
     worker: WorkerContext, call: Call, grads: dict, scale: float | None
 ) -> frozenset[int]:
-    """Add a job's downloaded gradients into the masters (they die on return); returns
-    the masters that got one."""
+    """Add a job's downloaded gradients into the masters (they die on return), a shared
+    weight's one use at a time (keyed ``(uid, layer)``, last layer first); returns the
+    masters that got one."""
     if grads:
         worker.reports.accumulated(call)
-    for uid, grad in grads.items():
+    uids = [key[0] if isinstance(key, tuple) else key for key in grads]
+    for uid, grad in zip(uids, grads.values(), strict=True):
         worker.store.accumulate_grad(uid, grad, scale)
-    return frozenset(grads)
+    return frozenset(uids)
 
 
 def _microbatch(op: DeviceOp) -> int:

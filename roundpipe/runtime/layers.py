@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import threading
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,6 +51,8 @@ class LayerBinding:
         self.param_slots = _slots(module, "_parameters")
         self.buffer_slots = _slots(module, "_buffers")
         self.param_uids = list(dict.fromkeys(s.uid for s in self.param_slots))
+        self.tied_uids: tuple[int, ...] = ()
+        """Its weights other layers use too (:func:`mark_tied`)."""
         self.buffer_uids = list(dict.fromkeys(s.uid for s in self.buffer_slots))
         self._shells: dict[object, nn.Module] = {}  # one per device (worker), not per GPU
         self._targets: dict[int, _ShellTargets] = {}  # id(shell) -> where tensors go
@@ -258,7 +261,8 @@ def sequential_layers(model: nn.Module) -> list[LayerBinding]:
     """Each entry of an ``nn.Sequential`` is a layer; any other module is one layer.
 
     The entries are iterated as stored, so a module placed twice is two layers (its
-    parameters are tied: they get the sum of both positions' gradients). A buffer
+    parameters are tied: they get the sum of both positions' gradients, each use's on
+    its own: :func:`mark_tied`). A buffer
     cannot be shared by two layers: each layer writes its buffers back after it ran.
     """
     if not isinstance(model, nn.Module):
@@ -280,6 +284,7 @@ def sequential_layers(model: nn.Module) -> list[LayerBinding]:
         named = [(type(model).__name__, model)]
     layers = [LayerBinding(i, name, module) for i, (name, module) in enumerate(named)]
     _reject_shared_buffers(layers)
+    mark_tied(layers)
     return layers
 
 
@@ -306,3 +311,11 @@ def _reject_shared_buffers(layers: list[LayerBinding]) -> None:
                 "lost); use separate modules, e.g. copy.deepcopy(module) for the second "
                 "position (tying only their parameters if you need shared weights)"
             )
+
+
+def mark_tied(layers: list[LayerBinding]) -> None:
+    """Tell each layer which of its weights other layers use too (a tied embedding and
+    LM head): those get a leaf of their own per layer on the device."""
+    users = Counter(uid for layer in layers for uid in layer.param_uids)
+    for layer in layers:
+        layer.tied_uids = tuple(uid for uid in layer.param_uids if users[uid] > 1)

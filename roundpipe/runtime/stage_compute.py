@@ -34,6 +34,8 @@ class StageCompute:
         self.weights = weights
         """(parameters by uid, buffers by uid) on the device."""
         self.timings: list[tuple[str, tuple[int, ...], Timer]] = []
+        self.tied: dict[tuple[int, int], torch.Tensor] = {}
+        """Per (layer, uid) of a weight several layers use: the layer's own leaf."""
 
     def forward(self, m: int, value: Slot, saves: frozenset[int], rng: frozenset[int]) -> dict:
         """Run the job's layers; hands over the output, the inputs of the layers in
@@ -124,6 +126,8 @@ class StageCompute:
         microbatch's)."""
         layer = self.layers[index]
         params, buffers = self.weights.value
+        if layer.tied_uids:
+            params = {**params, **self.own_leaves(index, params)}
         shell = layer.shell(self.device)
         layer.bind(shell, params, buffers, check_on_device=self.device.is_on_device)
         args, kwargs = value
@@ -137,6 +141,34 @@ class StageCompute:
                 return ((output,), {})
         finally:
             layer.unbind(shell)
+
+    def own_leaves(self, index: int, params: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+        """Layer ``index``'s leaves of the weights it shares with other layers: the same
+        device memory, a gradient of their own (made once per job, so its microbatches
+        accumulate into it). Each use's gradient then reaches the master on its own,
+        whether the uses run in one stage or several: the sum does not depend on the
+        plan (docs/design.md#gradients)."""
+        leaves = {}
+        for uid in self.layers[index].tied_uids:
+            leaf = self.tied.get((index, uid))
+            if leaf is None:
+                weight = params[uid]
+                leaf = self.tied[(index, uid)] = weight.detach().requires_grad_(
+                    weight.requires_grad
+                )
+            leaves[uid] = leaf
+        return leaves
+
+    def tied_grads(self, trainable: Callable[[int], bool]) -> dict[tuple[int, int], torch.Tensor]:
+        """The gradients of the shared weights' leaves, by (uid, layer), last layer first."""
+        return {
+            (uid, index): leaf.grad
+            for (index, uid), leaf in sorted(self.tied.items(), reverse=True)
+            if trainable(uid) and leaf.grad is not None
+        }
+
+    def release(self) -> None:
+        self.tied = {}
 
 
 def _check_loss(loss) -> None:
