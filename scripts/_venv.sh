@@ -1,7 +1,7 @@
 # Sourced by the other scripts: make .venv with roundpipe and the given extras installed.
 # Without an NVIDIA GPU it pins torch==2.13.0, the CPU build from the PyTorch CPU index
 # (the default index's torch==2.13.0 only where that index cannot be reached: there it
-# is the CUDA build and several GB of NVIDIA libraries); with one, any torch>=2.4.
+# is the CUDA build and several GB of NVIDIA libraries); with one, any torch>=2.11.
 # A .venv that already has torch 2.13.0 keeps it, so a re-run needs no network.
 # ROUNDPIPE_TORCH_CPU_INDEX and ROUNDPIPE_TORCH_INDEX_TIMEOUT (seconds) override the CPU
 # index and how long to wait for it.
@@ -47,8 +47,8 @@ INSTALLED_TORCH="$(.venv/bin/python -c 'import importlib.metadata as m; print(m.
 if [[ "$INSTALLED_TORCH" == 2.13.0 || "$INSTALLED_TORCH" == 2.13.0+* ]]; then
     echo "torch: $INSTALLED_TORCH is already in .venv; not installing it again" >&2
 elif command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi >/dev/null 2>&1; then
-    echo "torch: nvidia-smi sees an NVIDIA GPU; installing torch>=2.4 from the default index" >&2
-    "${PIP_INSTALL[@]}" "torch>=2.4"
+    echo "torch: nvidia-smi sees an NVIDIA GPU; installing torch>=2.11 from the default index" >&2
+    "${PIP_INSTALL[@]}" "torch>=2.11"
 else
     UNREACHABLE="$(_unreachable_reason "$TORCH_CPU_INDEX")"
     if [ -z "$UNREACHABLE" ]; then
