@@ -178,7 +178,7 @@ def test_a_cpu_index_that_never_answers_is_given_up_on_after_the_timeout(checkou
 def test_with_a_gpu_torch_is_any_recent_version_from_the_default_index(checkout, answering_index):
     run = checkout.set_up(gpu=True, cpu_index=answering_index)
 
-    assert run.pip_commands == [[*INSTALL_OPTIONS, "torch>=2.4"], _editable_install()]
+    assert run.pip_commands == [[*INSTALL_OPTIONS, "torch>=2.11"], _editable_install()]
     assert len(run.torch_lines) == 1 and "NVIDIA GPU" in run.torch_lines[0]
 
 
