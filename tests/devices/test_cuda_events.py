@@ -13,6 +13,7 @@ import torch
 
 from roundpipe.devices import OpInfo
 from roundpipe.devices import cuda as cuda_backend
+from roundpipe.devices.cuda_timeline import CudaTimeline
 
 
 class RecordedEvent:
@@ -41,10 +42,10 @@ def test_timer_events_are_blocking(recorded):
 
 
 def test_timeline_events_are_blocking(recorded):
-    pool = object.__new__(cuda_backend.CudaDevicePool)  # no GPU: only the span bookkeeping
-    pool._recording, pool._pending = True, []
-    start = pool.timing_start(stream=None)
-    pool.timing_end(0, "compute", OpInfo("forward"), start, stream=None)
+    timeline = CudaTimeline()  # no GPU: only the span bookkeeping
+    timeline.recording = True
+    start = timeline.op_start(stream=None)
+    timeline.op_end(0, "compute", OpInfo("forward"), start, stream=None)
     assert len(recorded) == 2
     assert all(kwargs.get("blocking") for kwargs in recorded)
 
