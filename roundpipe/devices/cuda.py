@@ -265,19 +265,20 @@ class CudaDevicePool(DevicePool):
         LoRA model's frozen base weights) stays pageable in every mode: registering it
         would lock the whole file in RAM and a pinned copy would duplicate it; the
         driver stages uploads from pageable memory."""
-        if getattr(tensor.untyped_storage(), MAPPED_FILE_ATTR, None) is not None:
+        storage = tensor.untyped_storage()
+        if getattr(storage, MAPPED_FILE_ATTR, None) is not None:
             return tensor
         if mode == "off":
             return tensor
-        if REGISTRATIONS.hold(tensor.untyped_storage().data_ptr()):  # another pool's too
-            self._registered.append(tensor.untyped_storage().data_ptr())
+        if REGISTRATIONS.hold(storage.data_ptr()):  # locked by a pool: this one holds it too
+            self._registered.append(storage.data_ptr())
             return tensor
         if tensor.is_pinned():
             return tensor
         if mode == "alloc":
             return tensor.pin_memory()
         if mode in ("register", "auto"):
-            code = self._register(tensor.untyped_storage())
+            code = self._register(storage)
             if code == 0:
                 return tensor
             if mode == "auto":

@@ -256,7 +256,7 @@ class Runtime:
         nodes, of the global batch's: :meth:`~roundpipe.cluster.NodeSync.check_call`)."""
         total: float = sum(rows)
         if self.node is not None:  # collective: every rank of a call takes part
-            total = self.node.check_call(len(rows), sum(rows))
+            total = self.node.check_call(len(rows), int(total))
         return weights_by_rows(rows, total) if config.scale_grads else None
 
     def _loss_scale(self) -> float | None:
@@ -308,12 +308,10 @@ class Runtime:
 
     # -- drained ---------------------------------------------------------------------------
 
-    def synchronize(self, what: str = "synchronize") -> None:
+    def synchronize(self) -> None:
         """Wait for all queued work; the user's tensors then show the newest weights."""
-        session = self.session
-        with session.enter(what):
-            session.check_open()
-            session.synchronize()
+        with self.drained("synchronize"):
+            pass
 
     @contextlib.contextmanager
     def drained(self, what: str) -> Iterator[None]:

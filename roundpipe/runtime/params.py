@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
@@ -46,6 +46,17 @@ class ParamEntry:
         self.pinned_storage = 0
         """The address of the storage the pool page-locked for it (given back when the
         user replaces it: :meth:`~roundpipe.devices.base.DevicePool.unpin`)."""
+
+    def pin(self, pin: Callable[[torch.Tensor], torch.Tensor]) -> int:
+        """Page-lock the parameter's tensor with ``pin`` (its data becomes the pinned copy
+        where ``pin`` makes one); returns the address of the storage pinned before (0:
+        none), whose hold the caller gives back."""
+        held = self.pinned_storage
+        pinned = pin(self.param.data)
+        if pinned is not self.param.data:
+            self.param.data = pinned
+        self.pinned_storage = self.param.untyped_storage().data_ptr()
+        return held
 
     def externally_modified(self) -> bool:
         """Whether the user wrote into (or replaced) the parameter since we last looked."""
@@ -85,10 +96,7 @@ class ParameterStore:
                     name = named_params.get(id(tensor), f"{layer.name}.?")
                     self.entries[id(tensor)] = ParamEntry(name, tensor, optim_dtype)
         for entry in self.entries.values():
-            pinned = pin(entry.param.data)
-            if pinned is not entry.param.data:
-                entry.param.data = pinned
-            entry.pinned_storage = entry.param.untyped_storage().data_ptr()
+            entry.pin(pin)
             entry.mark_seen()
         self.user_param_ids = frozenset(id(entry.param) for entry in self.entries.values())
         self._grad_lock = threading.Lock()

@@ -171,12 +171,7 @@ def _adopt(
     """The user wrote into (or replaced) ``entry``'s tensor: page-lock what it holds now,
     give back the hold on what it held (a replaced storage is not kept locked and
     alive), and the master takes the values."""
-    held = entry.pinned_storage
-    pinned = pin(entry.param.data)
-    if pinned is not entry.param.data:
-        entry.param.data = pinned
-    entry.pinned_storage = entry.param.untyped_storage().data_ptr()
-    unpin(held)
+    unpin(entry.pin(pin))
     if entry.master is not None and not entry.aliased:  # an aliased one: make_current
         entry.master.copy_(entry.param.data)
     entry.mark_seen()
