@@ -49,6 +49,9 @@ class RoundPipeRunConfig:
       returning a microbatch's mean gives the whole batch's mean, on any device or
       microbatch count; ``False`` keeps their sum. ``from_hf`` models' loss is
       already the mean over the batch's label tokens: they ignore it.
+    - ``row_losses``: layers that compute a loss (the head of ``from_hf`` models) give
+      one value per row of the microbatch, not their sum (:mod:`.row_losses`; the
+      sequence-level losses of :mod:`roundpipe.preference` use it).
     """
 
     num_microbatch: int | None = None
@@ -63,6 +66,7 @@ class RoundPipeRunConfig:
     gate_weight_chunks: bool = True
     seq_chunk_tokens: int | None = None
     scale_grads: bool = True
+    row_losses: bool = False
 
     def __post_init__(self) -> None:
         if self.num_microbatch is not None and (
@@ -88,7 +92,7 @@ class RoundPipeRunConfig:
                 "execute_plan must be a Plan, a string like '3,3|2,1,1,1,1,1,1' or None, "
                 f"got {type(self.execute_plan).__name__}"
             )
-        for name in ("preserve_rng_state", "gate_weight_chunks", "scale_grads"):
+        for name in ("preserve_rng_state", "gate_weight_chunks", "scale_grads", "row_losses"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}")
         for name in ("split_input", "split_label", "merge_output"):

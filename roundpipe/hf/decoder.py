@@ -196,6 +196,12 @@ class HeadLayer(nn.Module):
         )
         if router_sums is not None:  # weighted by this microbatch's label tokens
             assert self.router_loss is not None
+            if total.dim():  # row_losses: sequence-level losses
+                raise NotImplementedError(
+                    "per-row losses (preference tuning) of a model trained with its router "
+                    "loss (output_router_logits=True) are not supported yet: set "
+                    "output_router_logits=False in its config"
+                )
             count = (labels[:, 1:] != IGNORE_INDEX).sum()
             total = total + self.router_loss.coef * aux_loss(router_sums, self.router_loss) * count
         return total, correct

@@ -20,6 +20,7 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
 
+from ..core.row_losses import row_losses
 from ..core.tiling import TILED_LOSS_LOGITS, seq_chunk_tokens
 
 IGNORE_INDEX = -100
@@ -152,7 +153,10 @@ def chunked_loss(hidden, labels, chunk_tokens: int, vocab_size: int, logits_of, 
     so the fp32 logits of the whole sequence never exist. ``logits_of(chunk, *tensors)``
     gives a chunk's logits; the head's tensors are passed in, not read from its module:
     the recompute runs in the backward, when RoundPipe has already unbound the layer's
-    device tensors."""
+    device tensors. Under :func:`~roundpipe.core.row_losses.row_losses`, both per row
+    (:func:`chunked_row_losses`)."""
+    if row_losses():
+        return chunked_row_losses(hidden, labels, chunk_tokens, vocab_size, logits_of, *tensors)
     hidden = hidden[:, :-1].reshape(-1, hidden.shape[-1])
     targets = labels[:, 1:].reshape(-1)
     total = hidden.new_zeros((), dtype=torch.float32)
@@ -175,3 +179,35 @@ def _piece_loss(logits_of, hidden, targets, *tensors):
     with torch.no_grad():  # an ignored label (-100) is never an argmax
         correct = (logits.argmax(dim=-1) == targets).sum()
     return F.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX, reduction="sum"), correct
+
+
+def chunked_row_losses(hidden, labels, chunk_tokens: int, vocab_size: int, logits_of, *tensors):
+    """:func:`chunked_loss` per row: each row's summed cross-entropy of its shifted labels
+    (float32, B) and its count of correct argmaxes (int64, B), in chunks of whole columns
+    of about as many tokens, so every row's sum is added in the order of its positions
+    whatever the batch (no atomic scatter: the same bits on every device)."""
+    hidden, targets = hidden[:, :-1], labels[:, 1:]
+    rows, columns = targets.shape
+    totals = hidden.new_zeros(rows, dtype=torch.float32)
+    correct = torch.zeros(rows, dtype=torch.int64, device=hidden.device)
+    step = max(1, loss_chunk_tokens(chunk_tokens, vocab_size) // max(rows, 1))
+    for start in range(0, columns, step):
+        piece = slice(start, start + step)
+        args = (logits_of, hidden[:, piece], targets[:, piece], *tensors)
+        if torch.is_grad_enabled():
+            loss, right = checkpointed(_piece_row_losses, *args, preserve_rng_state=False)
+        else:
+            loss, right = _piece_row_losses(*args)
+        totals, correct = totals + loss, correct + right
+    return totals, correct
+
+
+def _piece_row_losses(logits_of, hidden, targets, *tensors):
+    rows, columns = targets.shape
+    logits = logits_of(hidden.reshape(rows * columns, hidden.shape[-1]), *tensors)
+    logits = logits.reshape(rows * columns, -1).float()
+    flat = targets.reshape(-1)
+    with torch.no_grad():
+        correct = (logits.argmax(dim=-1) == flat).view(rows, columns).sum(dim=1)
+    losses = F.cross_entropy(logits, flat, ignore_index=IGNORE_INDEX, reduction="none")
+    return losses.view(rows, columns).sum(dim=1), correct

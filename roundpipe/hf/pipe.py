@@ -27,6 +27,7 @@ from .images import (
     images_refusal,
     split_with_images,
 )
+from .row_logps import RowLoss, forward_backward_logps, sequence_logps
 from .structure import adapted_head_refusal, packing_refusal, text_config, text_model
 
 
@@ -150,6 +151,40 @@ class HFRoundPipe(RoundPipe):
             total, correct = self.runtime.forward((), batch, config)
         loss = total / count
         return (loss, token_metrics(correct, count)) if return_metrics else loss
+
+    def sequence_logps(self, input_kwargs: dict) -> torch.Tensor:
+        """Without gradients: each row's log-probability, the sum over its label tokens
+        (labels shifted by one, ``-100`` ignored) of the log-probability the model gives
+        them (float32, one per row; what TRL's ``DPOTrainer`` sums per sequence)."""
+        return sequence_logps(self, self._checked_row_batch(input_kwargs, None))
+
+    def forward_backward_logps(
+        self,
+        input_kwargs: dict,
+        loss_fn: RowLoss,
+        label: Any = None,
+        group_rows: int = 1,
+        run_config: RoundPipeRunConfig | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Forward and backward of a loss of the rows' log-probabilities (a DPO or KTO
+        loss: :mod:`roundpipe.preference`): the loss is the sum over microbatches of
+        ``loss_fn(logps, label)``, ``logps`` a microbatch's rows' log-probabilities (as
+        :meth:`sequence_logps`, with gradients) and ``label`` its rows of ``label`` (a
+        tensor or a dict of tensors, rows along dim 0), so each should return its share
+        of the batch's loss. ``group_rows`` consecutive rows (2: a preference pair) stay
+        in one microbatch. Returns the loss, every row's log-probability and every row's
+        count of label tokens the logits' argmax predicts (without gradients)."""
+        batch = self._checked_row_batch(input_kwargs, run_config)
+        return forward_backward_logps(self, batch, loss_fn, label, group_rows, run_config)
+
+    def _checked_row_batch(self, kwargs: dict | None, run_config) -> dict:
+        batch = self._checked_batch(kwargs, training=True, run_config=run_config)
+        if "pixel_values" in batch or "position_ids" in batch:
+            raise ValueError(
+                "sequence log-probabilities are computed per row of a text batch: pass "
+                "unpacked rows (no position_ids) without images"
+            )
+        return batch
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """``pipe(input_ids=..., attention_mask=...)``: the logits, as the model returns them.

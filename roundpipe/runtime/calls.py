@@ -179,7 +179,7 @@ class Runtime:
             )
         session = self.session
         with session.enter("forward"):
-            self._begin()
+            self._begin(trains=training)
             num = config.microbatches_for(len(self.pool))
             inputs, _, owned = own_and_split(self.inputs, config, args, kwargs, None, num)
             plan = self.plan_for(config)
@@ -232,13 +232,16 @@ class Runtime:
         self._cursor = request.schedule.next_device
         return self.session.start(request, loss_scale, owned)
 
-    def _begin(self) -> None:
+    def _begin(self, trains: bool = True) -> None:
         """Before new work: a usable session, failures reported, the user's changes since
         the last call honoured (writes into tensors adopted, changed modules re-copied)
-        or refused."""
+        or refused. A call that ``trains`` nothing (a forward without autograd) accepts
+        parameters frozen for its duration, as peft's ``disable_adapter()`` freezes the
+        adapters it turns off."""
         session = self.session
         session.check_open()
-        self.store.check_trainable()
+        if trains:
+            self.store.check_trainable()
         check_layer_list(self.model, self.layers)
         session.settle()
         changed = [layer for layer in self.layers if layer.changed()]

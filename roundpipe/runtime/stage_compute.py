@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from ..core.keys import Activation, InputGrad, Loss, Output, RngState
+from ..core.row_losses import per_row_losses
 from ..core.tiling import sequence_tiling
 from ..devices.base import OpInfo, Slot, Timer
 from ..errors import failure_site
@@ -136,6 +137,7 @@ class StageCompute:
                 failure_site(f"{layer} in {self.name}, microbatch {m}"),
                 self.device.random_scope(layer_seed(seed, index), shell),
                 sequence_tiling(self.call.config.seq_chunk_tokens),
+                per_row_losses(self.call.config.row_losses),
             ):
                 output = self.timed(kind, range(index, index + 1), shell, *args, **kwargs)
                 return ((output,), {})
