@@ -3,7 +3,8 @@ explain it: each schedule's tokens/s and fit, RoundPipe's host RAM and per-GPU m
 term by term (:mod:`.breakdown`), and, when it does not fit, the nearest configuration
 that does (:mod:`.nearest`) and the lean host setting that fits the host RAM
 (:mod:`.lean_fit`); with ``--quantize nf4``, what the quantized uploads save
-(:mod:`.nf4_uploads`). Host RAM is judged against ``--host-ram``, else against this
+(:mod:`.nf4_uploads`); with ``--method dpo|kto``, a preference step's passes
+(:mod:`.preference_costs`). Host RAM is judged against ``--host-ram``, else against this
 machine's RAM, and the output says which.
 """
 
@@ -24,6 +25,7 @@ from .models import Prediction, Workload, max_seq_len, predict
 from .nearest import Suggestion, nearest_fit
 from .nf4_uploads import UploadSavings, upload_savings
 from .nodes import Network, NodesPrediction, predict_nodes, scaling_table
+from .preference_costs import PreferenceStep, batch_text, policy_workload, predict_preference
 from .unit_costs import HALF
 
 THIS_MACHINE = "this machine"
@@ -50,29 +52,55 @@ def run_model_mode(args: argparse.Namespace, schedules: tuple[str, ...]) -> int:
     host_ram, source = _host_ram(args)
     if args.nodes is not None or args.scaling:
         return _predict_nodes(args, spec, gpu, work, host_ram, source)
-    predictions = predict(spec, gpu, work, args.gpus, schedules=schedules, host_ram=host_ram)
+    step = None
+    if args.method == "sft":
+        predictions = predict(spec, gpu, work, args.gpus, schedules=schedules, host_ram=host_ram)
+    else:
+        step = predict_preference(spec, gpu, work, args.gpus, args.method, host_ram)
+        predictions = [step.prediction()]
     if not args.json:
         active = f", {spec.active_params / 1e9:.2f}B active" if spec.is_moe else ""
         lora = f", LoRA rank {args.lora}" if args.lora else ""
         print(
             f"{spec.name} ({spec.num_params / 1e9:.2f}B params{active}{lora}) on {args.gpus}x "
-            f"{gpu.name} ({args.precision}), seq {args.seq_len}, batch {args.batch}"
+            f"{gpu.name} ({args.precision}), seq {args.seq_len}, "
+            f"batch {batch_text(args.method, args.batch)}"
         )
         print(_source_line(host_ram, source, args.host_ram))
         print(settings_line(work.settings))
     for prediction in predictions:
         extras = None
         if prediction.memory is not None:
-            extras = _Extras(
-                work.settings,
-                nearest_fit(spec, gpu, work, args.gpus, host_ram, prediction.memory),
-                lean_fit(spec, gpu, work, args.gpus, host_ram, prediction.memory),
-                None
-                if prediction.memory.plan is None
-                else upload_savings(spec, gpu, work, args.gpus, prediction.memory.plan),
-            )
+            extras = _extras(spec, gpu, work, args.gpus, host_ram, prediction.memory, step)
         _print_prediction(prediction, extras, source, args.json, args.step)
+    for name in schedules if step is not None else ():
+        if name != "roundpipe":
+            print_skip(name, f"--method {args.method} is priced for roundpipe only", args.json)
     return 0
+
+
+def _extras(
+    spec: ModelSpec,
+    gpu: Gpu,
+    work: Workload,
+    num_gpus: int,
+    host_ram: int | None,
+    memory: MemoryFit,
+    step: PreferenceStep | None,
+) -> _Extras:
+    """What RoundPipe's row says beside its prediction. A preference step's host fit is
+    judged on the policy's rows; its nearest fit and NF4 upload savings are left out (they
+    speak of SFT's microbatches and passes)."""
+    if step is not None:
+        rows = policy_workload(step.method, work)
+        host_fit = lean_fit(spec, gpu, rows, num_gpus, host_ram, memory)
+        return _Extras(work.settings, None, host_fit, None, step)
+    return _Extras(
+        work.settings,
+        nearest_fit(spec, gpu, work, num_gpus, host_ram, memory),
+        lean_fit(spec, gpu, work, num_gpus, host_ram, memory),
+        None if memory.plan is None else upload_savings(spec, gpu, work, num_gpus, memory.plan),
+    )
 
 
 @dataclass(frozen=True)
@@ -83,6 +111,7 @@ class _Extras:
     suggestion: Suggestion | None
     host_fit: HostFit | None
     uploads: UploadSavings | None
+    preference: PreferenceStep | None = None
 
     def to_dict(self) -> dict:
         uploads = self.uploads.to_dict() if self.uploads else dict.fromkeys(_UPLOAD_KEYS)
@@ -91,6 +120,7 @@ class _Extras:
             "suggestion": None if self.suggestion is None else self.suggestion.to_dict(),
             "host_fit": None if self.host_fit is None else self.host_fit.to_dict(),
             **uploads,
+            **({} if self.preference is None else self.preference.to_dict()),
         }
 
     def lines(self) -> list[str]:
@@ -268,6 +298,9 @@ def _print_prediction(
             f"{p.schedule:17s} {p.tokens_per_s:10.0f} tokens/s  GPU {gpu}{host}{longest}  "
             f"[{p.detail}]"
         )
+    if extras is not None and extras.preference is not None:
+        for line in extras.preference.lines():
+            print(f"  {line}")
     if p.memory is not None:
         for line in memory_table(p.memory):
             print(f"  {line}")
@@ -290,6 +323,14 @@ def memory_table(memory: MemoryFit) -> list[str]:
     )
     lines.append(f"{'usable':26s}{usable[0]:>10s}{usable[1]:>10s}  ({shares})")
     return lines
+
+
+def print_skip(name: str, reason: str, as_json: bool) -> None:
+    """A schedule left out, and why (its own JSON object under ``--json``)."""
+    if as_json:
+        print(json.dumps({"schedule": name, "skipped": reason}))
+    else:
+        print(f"{name:17s} skipped: {reason}")
 
 
 def _fit_text(fits: bool | None, need: int, budget: int | None) -> str:

@@ -21,10 +21,11 @@ from ..planning.sim.result import SimResult
 from ..planning.sim.roundpipe_schedule import simulate_roundpipe
 from .gpus import GPU_PRESETS, PCIE_BANDWIDTH, PRECISIONS
 from .host_settings import MASTER_WEIGHTS, OPTIMIZER_STATES, QUANTIZE
-from .model_mode import lean_settings, run_model_mode
+from .model_mode import lean_settings, print_skip, run_model_mode
 from .model_specs import MODEL_PRESETS
 from .models import DEFAULT_HOST_BANDWIDTH
 from .nodes import GRAD_BYTES
+from .preference_costs import METHODS
 
 SCHEDULES = ("roundpipe", *BASELINES)
 STEPS = ("async", "sync")
@@ -45,7 +46,8 @@ Model-level: --model Qwen3-8B (or --config config.json) with --gpu rtx4090
   --max-seq-len answers only the longest sequence that fits (tiled layers where
   roundpipe tiles the model's) and what bounds it; --nodes K
   --network-gbps G predicts RoundPipe on K such boxes (data parallel), --scaling for
-  K = 1, 2, 4, ... 64.
+  K = 1, 2, 4, ... 64. --method dpo|kto prices a preference step (RoundPipe only):
+  the policy's forward+backward plus its forward-only reference (and KTO's KL) passes.
 """
 
 
@@ -136,6 +138,14 @@ def add_simulate_parser(commands: Any) -> argparse.ArgumentParser:
         "--mfu", type=float, help="override the calibrated matmul efficiency, in (0, 1]"
     )
     model.add_argument(
+        "--method",
+        choices=METHODS,
+        default="sft",
+        help="what a step trains: sft; dpo (--batch pairs: the policy over both sequences of "
+        "each, and a forward-only reference pass); kto (--batch examples: the policy, a "
+        "forward-only KL pass and a reference pass over the examples and their KL rows)",
+    )
+    model.add_argument(
         "--max-seq-len",
         action="store_true",
         help="only the longest sequence that fits at batch 1 (every layer's input saved, "
@@ -182,7 +192,7 @@ def run_simulate(args: argparse.Namespace) -> int:
         except ValueError as unsupported:
             if len(names) == 1:
                 raise
-            _print_skip(name, str(unsupported), args.json)
+            print_skip(name, str(unsupported), args.json)
             continue
         _print_result(result, args.json, args.step)
         _export(result, args, several=len(names) > 1)
@@ -291,11 +301,32 @@ def _validate(args: argparse.Namespace) -> None:
             "predictions are of asynchronous steps"
         )
     lean_settings(args).check(args.precision, args.lora or 0)
+    if args.method != "sft":
+        _check_method(args)
     if args.gantt:
         try:
             import matplotlib  # noqa: F401
         except ImportError:
             raise ValueError(f"--gantt needs matplotlib: {install_hint('plot')}") from None
+
+
+def _check_method(args: argparse.Namespace) -> None:
+    """A preference step is priced for a model on one box at the given sequence length."""
+    if not (args.model or args.config):
+        raise ValueError(
+            f"--method {args.method} needs a model: give --model or --config (synthetic "
+            "layers have no sequences to pair)"
+        )
+    for flag, given in (
+        ("--max-seq-len", args.max_seq_len),
+        ("--nodes", args.nodes is not None),
+        ("--scaling", args.scaling),
+    ):
+        if given:
+            raise ValueError(
+                f"--method {args.method} is priced on one box at --seq-len: drop {flag} "
+                "(or use --method sft)"
+            )
 
 
 def _print_result(result: SimResult, as_json: bool, step: str) -> None:
@@ -312,13 +343,6 @@ def _print_result(result: SimResult, as_json: bool, step: str) -> None:
         f"steady-state bubble {steady if steady is None else format(steady, '6.1%')}  "
         f"exposed comm {result.exposed_comm / _MS:.2f} ms  [{result.detail}]"
     )
-
-
-def _print_skip(name: str, reason: str, as_json: bool) -> None:
-    if as_json:
-        print(json.dumps({"schedule": name, "skipped": reason}))
-    else:
-        print(f"{name:17s} skipped: {reason}")
 
 
 def _export(result: SimResult, args: argparse.Namespace, several: bool) -> None:

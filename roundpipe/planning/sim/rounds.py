@@ -23,7 +23,7 @@ from ...core.program import (
     plan_chunks,
     recompute_inputs,
 )
-from ...core.schedule import Job, JobKind, Schedule, lower
+from ...core.schedule import Job, JobKind, Schedule, lower, lower_unfused
 from ...core.timeline import HOST
 from . import engine
 from .costs import CostModel
@@ -64,6 +64,16 @@ class Config:
     is_async: bool
     record: bool = True
     """Label ops and record memory (for timelines); scoring needs neither."""
+    forward_only: bool = False
+    """Each round is a call without a loss or autograd, as the runtime runs ``model(x)``
+    under ``no_grad`` (a reference model's pass): ``lower_unfused``'s forward jobs, the
+    fused stage run as one more forward stage; no backward, recompute or gradients."""
+
+    def lower(self, first_device: int) -> Schedule:
+        """One round's jobs from the round-robin cursor ``first_device``."""
+        if self.forward_only:
+            return lower_unfused(self.plan, self.num_devices, first_device)
+        return lower(self.plan, self.num_devices, first_device)
 
 
 class _Template:
@@ -101,7 +111,7 @@ class Simulation:
     _optimizer_ops: dict[int, list[tuple[range, int]]] = field(default_factory=dict)
     _compute_ops: dict[int, list[int]] = field(default_factory=dict)
     _templates: dict[tuple, _Template] = field(default_factory=dict)
-    _loss: int | None = None
+    _last_result: int | None = None
     _rounds: int = 0
 
     def add_iterations(self, num_microbatches: int, iterations: int, first_device: int) -> None:
@@ -109,7 +119,7 @@ class Simulation:
         cursor = first_device
         for iteration in range(iterations):
             for index, size in enumerate(sizes):
-                schedule = lower(self.config.plan, self.config.num_devices, cursor)
+                schedule = self.config.lower(cursor)
                 self._add_round(schedule, iteration, size, index == 0, index == len(sizes) - 1)
                 cursor = schedule.next_device
 
@@ -143,13 +153,18 @@ class Simulation:
         round_id = self._rounds
         self._rounds += 1
         gate = self._round_gate(iteration, first)
-        saved = recompute_inputs(schedule, "stage", forward_only=False, deferred=False)
+        forward_only = self.config.forward_only
+        saved = recompute_inputs(schedule, "stage", forward_only=forward_only, deferred=False)
         shape = CallShape(size, "stage", saved, preserve_rng_state=False, return_outputs=False)
         producers: dict[HandoffKey, int] = {}
         for job in schedule.jobs:
             template = self._template(job, shape)
             self._add_program(template, job, round_id, iteration, gate, producers, last)
-        self._loss = producers[Loss(size - 1)]
+        # the host dispatches the next round once this one's last result is home
+        last_result = (
+            Activation(self.config.plan.num_layers, size - 1) if forward_only else Loss(size - 1)
+        )
+        self._last_result = producers[last_result]
 
     def _template(self, job: Job, shape: CallShape) -> _Template:
         """The job's program with durations, built once per stage and round shape (a
@@ -171,7 +186,7 @@ class Simulation:
 
     def _round_gate(self, iteration: int, first: bool) -> list[int]:
         """What the host waits for before it dispatches this round."""
-        gate = [self._loss] if self._loss is not None else []
+        gate = [self._last_result] if self._last_result is not None else []
         if first and not self.config.is_async and iteration > 0:
             gate += [op for _, op in self._optimizer_ops.get(iteration - 1, [])]
         return gate
