@@ -14,6 +14,7 @@ from typing import Any
 from ..cluster import PeerFailure
 from ..errors import one_line_usage_errors
 from ..hf.safetensors_io import CheckpointError
+from ..preference import NonFiniteStep
 from .command_line import add_arguments, command_line_of, given_options
 from .disk import NoSpace
 from .memory_check import OutOfHostMemory
@@ -83,7 +84,7 @@ def run_train(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         print("roundpipe train: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
-    except (PeerFailure, NoSpace, OutOfHostMemory) as error:  # another process; disk; RAM
+    except (PeerFailure, NoSpace, OutOfHostMemory, NonFiniteStep) as error:  # or a NaN loss
         print(f"roundpipe train: error: {error}", file=sys.stderr)
         return EXIT_FAILED
     except ValueError as error:  # not bad input: keep it from the CLI's exit-2 handler

@@ -29,6 +29,7 @@ METAVARS = {
     "epochs": "E", "batch_size": "B",
     "seq_len": "S", "seed": "SEED", "lr": "LR", "warmup_steps": "W", "grad_clip": "NORM",
     "weight_decay": "WD", "eval_every": "N", "save_every": "N", "keep_checkpoints": "K",
+    "beta": "BETA", "label_smoothing": "P", "desirable_weight": "W", "undesirable_weight": "W",
 }  # fmt: skip
 
 

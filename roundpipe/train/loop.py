@@ -28,7 +28,7 @@ from .checkpoints import (
     remove_checkpoint,
 )
 from .disk import SMALL_FILE, writing
-from .evaluation import evaluate
+from .evaluation import SftSteps
 from .hub import ModelSource, resolve_model
 from .long_context import fit_sequences, tiling_note
 from .memory_check import reporting_host_memory
@@ -43,6 +43,7 @@ from .optim import (
     step_without_update,
 )
 from .options import TrainOptions, UsageError, changed_options, write_run_yaml
+from .preference_run import PreferenceSteps
 from .preflight import Prepared
 from .progress import Progress, Silent, StepReport, open_progress
 from .quiet import quiet_transformers
@@ -123,6 +124,11 @@ class Run:
         self.trackers = Trackers([])
         self.saved_step: int | None = None
         """The step of the newest checkpoint on disk (None: none yet)."""
+        self.method = (  # what a step computes, and an evaluation
+            SftSteps(prepared.train_batches, prepared.eval_batches, self.ranks)
+            if self.options.method == "sft"
+            else PreferenceSteps(self.options, prepared.train_batches, prepared.eval_batches)
+        )
 
     def say(self, text: str) -> None:
         if not self.main:
@@ -144,6 +150,7 @@ class Run:
             self.pipe, self.scaler = pipe, scaler
             self.params = list(pipe.optim_parameters())
             self._use(build_optimization(pipe, o, self.total, scaler))
+            self.method.start(pipe, self.say)  # before a checkpoint loads
             start = self._resume() if self.prepared.resume_from else self._start_fresh()
             if start.step == self.total:  # stopped while it wrote the result
                 self.say(f"all {self.total} steps are done; writing the {result_name(o.full)}, "
@@ -290,34 +297,32 @@ class Run:
         batch = batches.batch(index)
         rows = batch["input_ids"].shape[0]
         config = step_run_config(self.pipe.run_config, len(self.pipe.pool), rows, self.ranks.world)
-        share = self.ranks.share(batch)
-        pending_loss, metrics = self.pipe.forward_backward(
-            input_kwargs=share, run_config=config, return_metrics=True
-        )
+        pending_loss, shown = self.method.step(self.pipe, index, batch, config)
         self.pipe.step(self.step_fn, is_async=not o.sync)  # queued before the loss is read
         loss = float(pending_loss)
         now = time.monotonic()
         tokens = batches.num_tokens(index)
         tokens_per_s = tokens / max(now - self.mark, 1e-9)
         position = Position(step, before.tokens + tokens, self._elapsed(now))
-        eval_loss = eval_accuracy = None
+        evaluated: dict[str, float] = {}
         due = o.eval_every is not None and step % o.eval_every == 0
         if self.prepared.eval_batches is not None and (due or step == self.total):
-            eval_loss, eval_accuracy = evaluate(self.pipe, self.prepared.eval_batches, self.ranks)
+            evaluated = self.method.evaluate(self.pipe)
+        eval_loss = evaluated.get("eval_loss")
         lr = o.lr * lr_factor(index, self.warmup, self.total, o.schedule)  # the step's
         epoch = step / batches.steps_per_epoch  # as Trainer logs it
         record = {"step": step, "epoch": epoch, "loss": loss, "lr": lr,
-                  "tokens": position.tokens, "num_tokens": position.tokens,
-                  "mean_token_accuracy": metrics["mean_token_accuracy"],
-                  "tokens_per_s": tokens_per_s, "elapsed_s": position.elapsed_s}  # fmt: skip
-        if eval_loss is not None:
-            record["eval_loss"] = eval_loss
-            record["eval_mean_token_accuracy"] = eval_accuracy
+                  "tokens": position.tokens, "num_tokens": position.tokens, **shown,
+                  "tokens_per_s": tokens_per_s, "elapsed_s": position.elapsed_s,
+                  **evaluated}  # fmt: skip
         self.rows.add(record)  # written once the step has measured its gradient norm
         self._write_rows()
-        shown = epoch if o.steps is None else None
+        epoch_shown = epoch if o.steps is None else None
         assert self.progress is not None
-        self.progress.update(StepReport(step, loss, lr, tokens_per_s, eval_loss, shown))
+        extra = self.method.shown(shown)
+        self.progress.update(
+            StepReport(step, loss, lr, tokens_per_s, eval_loss, epoch_shown, extra)
+        )
         save = (o.save_every is not None and step % o.save_every == 0) or step == self.total
         if save:
             self._save_checkpoint(position)

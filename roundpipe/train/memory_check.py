@@ -87,13 +87,14 @@ def run_workload(options: TrainOptions, world: int, devices: int) -> Workload:
     rows = max(options.batch_size // world, 1)
     run_config = RoundPipeRunConfig(num_microbatch=options.microbatches)
     count = run_config.microbatches_for(devices, rows)
+    per_example = 2 if options.method == "dpo" else 1  # a pair's rows in one microbatch
     states, masters = optimizer_settings(options)
     quantize = None if options.quantize == "none" else options.quantize
     fp32 = options.precision not in PRECISIONS
     return Workload(
         seq_len=options.seq_len,
-        batch=rows,
-        microbatch_size=-(-rows // count),
+        batch=per_example * rows,
+        microbatch_size=per_example * -(-rows // count),
         # an fp32 run's kernels have no preset rate: its time is not asked, only bytes
         precision="fp16" if fp32 else options.precision,
         lora_rank=0 if options.full else options.lora_r,

@@ -14,6 +14,7 @@ import re
 from typing import Any
 
 from .aliases import flag
+from .preference_options import check_preference
 from .trackers import check_trackers
 from .usage import UsageError
 
@@ -48,6 +49,7 @@ def check(options: TrainOptions, given: set[str]) -> None:
             raise UsageError(f"missing {', '.join(missing)} (or use --demo)")
     _check_finite(o)
     _check_mode(o, given)
+    check_preference(o, given)
     if o.steps is not None and o.epochs is not None:
         raise UsageError(f"give --steps ({o.steps}) or --epochs ({o.epochs}), not both")
     if o.eval_every is not None and o.eval_data is None and o.eval_split is None:

@@ -29,6 +29,7 @@ from .option_checks import (
     check,
     check_dtypes,
 )
+from .preference_options import preference_options, record_without
 from .trainer_flags import trains_every_weight, translate
 from .usage import UsageError
 
@@ -261,6 +262,7 @@ OPTIONS: tuple[Option, ...] = (
         _SAVE,
     ),
 )
+OPTIONS += preference_options(Option)
 BY_KEY = {option.key: option for option in OPTIONS}
 
 
@@ -312,6 +314,12 @@ class TrainOptions:
     resume: bool | str  # True: the newest checkpoint; a str: that checkpoint directory
     save_dtype: str | None
     report_to: str
+    method: str
+    beta: float
+    loss_type: str
+    label_smoothing: float
+    desirable_weight: float
+    undesirable_weight: float
 
     def lora_target_modules(self) -> str | list[str]:
         """``--lora-targets`` as peft's ``target_modules``."""
@@ -334,13 +342,15 @@ class TrainOptions:
     def run_record(self) -> dict[str, Any]:
         """The options as plain data (paths as strings), without the invocation's own
         (nor the other mode's: with ``--full`` the LoRA options, without it the full
-        optimizer's; ``run.yaml`` must work as ``--config``, which refuses them)."""
+        optimizer's; nor another method's; ``run.yaml`` must work as ``--config``, which
+        refuses them)."""
         record = {k: v for k, v in asdict(self).items() if k not in INVOCATION_KEYS}
         if self.full:
             record = {k: v for k, v in record.items()
                       if not k.startswith("lora_") and k not in LORA_ONLY}  # fmt: skip
         else:
             record = {k: v for k, v in record.items() if k not in FULL_ONLY}
+        record = record_without(self, record)
         return {k: str(v) if isinstance(v, Path) else v for k, v in record.items()}
 
 

@@ -327,7 +327,10 @@ class PreferenceBatches:
 
     def batch(self, step: int) -> dict[str, torch.Tensor]:
         """The batch of global step ``step`` (0-based, counting across epochs)."""
-        indices = self._indices(step)
+        return self.batch_of(self.indices(step))
+
+    def batch_of(self, indices: list[int]) -> dict[str, torch.Tensor]:
+        """The batch of the examples at ``indices`` (dataset order), in that order."""
         batch = _padded_batch([row for i in indices for row in self._rows(i)], self.pad_id)
         if self.method == "kto":
             examples = [self.examples[i] for i in indices]
@@ -343,7 +346,7 @@ class PreferenceBatches:
         """Tokens of the rows of batch ``step``, padding excluded (as TRL's
         ``num_tokens`` metric: both rows of a DPO pair, a KTO example's row but not its
         KL row)."""
-        return sum(len(row.input_ids) for i in self._indices(step) for row in self._rows(i))
+        return sum(len(row.input_ids) for i in self.indices(step) for row in self._rows(i))
 
     def _rows(self, i: int) -> list[Example]:
         """Example ``i``'s rows: a pair's chosen and rejected, or a KTO example's."""
@@ -361,7 +364,8 @@ class PreferenceBatches:
         labels = ((IGNORE_INDEX,) * len(prompt) + completion)[cut]
         return Example((prompt + completion)[cut], labels)
 
-    def _indices(self, step: int) -> list[int]:
+    def indices(self, step: int) -> list[int]:
+        """The examples (dataset order) of batch ``step``."""
         if not isinstance(step, int) or step < 0:
             raise ValueError(f"step must be a non-negative integer, got {step!r}")
         epoch, index = divmod(step, self.steps_per_epoch)

@@ -125,6 +125,10 @@ def _prepare(options: TrainOptions, ranks: Ranks) -> Prepared:
         notes.append(f"loss.png is not drawn: matplotlib is not installed ({install_hint('plot')})")
     images = ImageReader(source.directory, config)
     train_batches, eval_batches = _batches(options, tokenizer, notes, images)
+    if ranks.world > 1 and options.method != "sft":
+        raise UsageError(
+            f"--method {options.method} trains on one process for now (not under torchrun)"
+        )
     if ranks.world > 1 and train_batches.images is not None:
         raise UsageError(
             f"{options.data} has images, which train on one process for now (not under torchrun)"
@@ -258,6 +262,10 @@ def _batches(options: TrainOptions, tokenizer, notes: list[str], images: ImageRe
     from .data_summary import data_summary
 
     assert options.data is not None and options.seq_len is not None
+    if options.method != "sft":
+        from .preference_run import preference_batches
+
+        return preference_batches(options, tokenizer, notes, pad_token_id(tokenizer))
     reading: _Reading = {
         "split": options.data_split,
         "fields": options.data_fields,

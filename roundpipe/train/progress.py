@@ -26,6 +26,7 @@ class StepReport:
     tokens_per_s: float
     eval_loss: float | None = None
     epoch: float | None = None  # shown for an --epochs run
+    extra: str = ""  # a preference step's reward margin and accuracy, or KL
 
 
 def describe(report: StepReport, total: int) -> str:
@@ -36,6 +37,8 @@ def describe(report: StepReport, total: int) -> str:
         f"{epoch}step {report.step}/{total}  loss {report.loss:.4f}  lr {report.lr:.2e}  "
         f"{report.tokens_per_s:.0f} tok/s"
     )
+    if report.extra:
+        text += f"  {report.extra}"
     if report.eval_loss is not None:
         text += f"  eval loss {report.eval_loss:.4f}"
     return text
