@@ -32,6 +32,10 @@ HF_NAMES: dict[str, str] = {
     "save_steps": "save_every",
     "eval_steps": "eval_every",
     "save_total_limit": "keep_checkpoints",
+    "loss_type": "loss_type",  # DPOConfig's, as the next ones (KTOConfig's)
+    "label_smoothing": "label_smoothing",
+    "desirable_weight": "desirable_weight",
+    "undesirable_weight": "undesirable_weight",
 }
 """Their name -> our option's key, for options whose meaning is the same."""
 
