@@ -118,6 +118,8 @@ def test_per_row_losses_of_a_model_with_its_router_loss_are_refused():
     model = hf_families.build("qwen3_moe")
     model.config.output_router_logits = True
     batch = completion_batch(hf_families.VOCAB, rows=2)
-    with roundpipe.from_hf(model, devices="emulated:2") as pipe:
-        with pytest.raises(NotImplementedError, match="output_router_logits=False"):
-            pipe.forward_backward_logps(batch, lambda lp, lab: lp.sum(), None)
+    with (
+        roundpipe.from_hf(model, devices="emulated:2") as pipe,
+        pytest.raises(NotImplementedError, match="output_router_logits=False"),
+    ):
+        pipe.forward_backward_logps(batch, lambda lp, lab: lp.sum(), None)
