@@ -15,6 +15,7 @@ import json
 import os
 import re
 import shutil
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -23,7 +24,8 @@ import torch
 
 from ..model.checkpoint import existing_checkpoint, shard_path
 from ..model.checkpoint_optimizer import split as optimizer_tensors
-from .options import SHAPE_KEYS, STATE_KEYS, TrainOptions, UsageError, saved_state_options
+from .option_checks import FULL_ONLY, LORA_ONLY
+from .options import BY_KEY, SHAPE_KEYS, STATE_KEYS, TrainOptions, UsageError
 
 CHECKPOINTS_DIR = "checkpoints"
 _NAME = re.compile(r"step-(\d+)")
@@ -334,3 +336,19 @@ def prune_checkpoints(output: Path, keep: int, shard: dict | None = None) -> lis
 
 def _old(path: Path) -> Path:
     return path.with_name(path.name + ".old")
+
+
+def changed_options(saved: Mapping[str, Any], now: TrainOptions) -> dict[str, tuple[Any, Any]]:
+    """Options whose value differs from ``saved`` (a :meth:`TrainOptions.run_record`; an
+    option newer than it counts as its default there): ``{name: (saved, now)}``."""
+    current, before = now.run_record(), saved_state_options(saved)
+    before = {k: before.get(k, BY_KEY[k].default) for k in current}  # older: the defaults
+    return {k: (before[k], v) for k, v in current.items() if before[k] != v}
+
+
+def saved_state_options(saved: Mapping[str, Any]) -> dict[str, Any]:
+    """``saved`` (a :meth:`TrainOptions.run_record`) with the :data:`STATE_KEYS` of its
+    mode that it lacks (an older roundpipe's, which had only the defaults) filled."""
+    skip = LORA_ONLY if saved.get("full") else FULL_ONLY
+    filled = {k: BY_KEY[k].default for k in STATE_KEYS if k not in skip}
+    return {**filled, **saved}

@@ -20,6 +20,7 @@ import torch
 
 from .checkpoints import (
     Position,
+    changed_options,
     checkpoint_bytes,
     checkpoint_path,
     complete_checkpoints,
@@ -42,7 +43,7 @@ from .optim import (
     lr_factor,
     step_without_update,
 )
-from .options import TrainOptions, UsageError, changed_options, write_run_yaml
+from .options import TrainOptions, UsageError, write_run_yaml
 from .preference_run import PreferenceSteps
 from .preflight import Prepared
 from .progress import Progress, Silent, StepReport, open_progress

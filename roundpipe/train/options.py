@@ -398,19 +398,3 @@ def write_run_yaml(options: TrainOptions, path: Path) -> None:
     import yaml
 
     Path(path).write_text(yaml.safe_dump(options.run_record(), sort_keys=False))
-
-
-def changed_options(saved: Mapping[str, Any], now: TrainOptions) -> dict[str, tuple[Any, Any]]:
-    """Options whose value differs from ``saved`` (a :meth:`TrainOptions.run_record`; an
-    option newer than it counts as its default there): ``{name: (saved, now)}``."""
-    current, before = now.run_record(), saved_state_options(saved)
-    before = {k: before.get(k, BY_KEY[k].default) for k in current}  # older: the defaults
-    return {k: (before[k], v) for k, v in current.items() if before[k] != v}
-
-
-def saved_state_options(saved: Mapping[str, Any]) -> dict[str, Any]:
-    """``saved`` (a :meth:`TrainOptions.run_record`) with the :data:`STATE_KEYS` of its
-    mode that it lacks (an older roundpipe's, which had only the defaults) filled."""
-    skip = LORA_ONLY if saved.get("full") else FULL_ONLY
-    filled = {k: BY_KEY[k].default for k in STATE_KEYS if k not in skip}
-    return {**filled, **saved}

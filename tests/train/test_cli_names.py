@@ -21,10 +21,10 @@ from support.train_fixtures import build_model_dir, write_data  # noqa: E402
 
 from roundpipe.cli import _parser, main  # noqa: E402
 from roundpipe.train.aliases import hint  # noqa: E402
+from roundpipe.train.checkpoints import changed_options  # noqa: E402
 from roundpipe.train.command_line import command_line_of, given_options  # noqa: E402
 from roundpipe.train.options import (  # noqa: E402
     UsageError,
-    changed_options,
     read_config,
     resolve,
     write_run_yaml,
