@@ -15,6 +15,7 @@ refused before the weights change (:class:`NonFiniteStep`).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 
@@ -25,6 +26,11 @@ from .reference import reference_logps
 MAIN_INPUTS = ("input_ids", "attention_mask", "labels")
 KL_INPUTS = {"kl_input_ids": "input_ids", "kl_attention_mask": "attention_mask",
              "kl_labels": "labels"}  # fmt: skip
+
+
+Gather = Callable[[torch.Tensor], torch.Tensor]
+"""On several processes (data parallel): a per-row tensor of this process's rows
+concatenated with every process's, in rank order (the global batch's rows)."""
 
 
 class NonFiniteStep(ValueError):
@@ -41,11 +47,15 @@ def dpo_forward_backward(
     label_smoothing: float = 0.0,
     ref_logps: torch.Tensor | None = None,
     run_config=None,
+    batch_pairs: int | None = None,
+    gather: Gather | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """The DPO loss of ``batch`` (the mean over its pairs), its gradients accumulated,
     and the metrics TRL's ``DPOTrainer`` logs with it (:func:`dpo_metrics`).
     ``ref_logps``: the reference's log-probability of each row (else the pipe's with its
-    adapters off)."""
+    adapters off). On several processes, each passes its share of the global batch,
+    ``batch_pairs`` the global batch's pairs (the loss is their mean) and ``gather``
+    (the metrics are the global batch's)."""
     check_dpo_options(beta, loss_type, label_smoothing)
     main = _main_rows(batch)
     rows = main["input_ids"].shape[0]
@@ -53,7 +63,7 @@ def dpo_forward_backward(
         raise ValueError(f"a DPO batch holds pairs of rows, got {rows} rows")
     lengths = _label_rows(main["labels"])
     ref = _reference(pipe, main, ref_logps)
-    pairs = rows // 2
+    pairs = batch_pairs or rows // 2
 
     def pair_losses(logps: torch.Tensor, label: dict) -> torch.Tensor:
         losses, _, _ = dpo_loss(
@@ -68,16 +78,18 @@ def dpo_forward_backward(
         main, pair_losses, label, group_rows=2, run_config=run_config
     )
     _check_finite(loss, "DPO loss")
-    return loss, dpo_metrics(logps, ref, beta, correct, main["labels"])
+    tokens = (main["labels"][:, 1:] != IGNORE_INDEX).sum(dim=1)
+    logps, ref, correct, tokens = _gathered(gather, logps, ref, correct, tokens)
+    return loss, dpo_metrics(logps, ref, beta, correct, tokens)
 
 
 def dpo_metrics(
-    logps: torch.Tensor, ref: torch.Tensor, beta: float, correct=None, labels=None
+    logps: torch.Tensor, ref: torch.Tensor, beta: float, correct=None, label_tokens=None
 ) -> dict[str, float]:
     """TRL's DPO metrics of a batch's rows (pairs adjacent): ``rewards/chosen``,
     ``rewards/rejected``, ``rewards/accuracies``, ``rewards/margins``, ``logps/chosen``,
-    ``logps/rejected``, and with ``correct`` and ``labels`` the chosen rows'
-    ``mean_token_accuracy``."""
+    ``logps/rejected``, and with each row's ``correct`` and ``label_tokens`` (counts
+    after the shift) the chosen rows' ``mean_token_accuracy``."""
     chosen, rejected = logps[0::2], logps[1::2]
     chosen_rewards = beta * (chosen - ref[0::2])
     rejected_rewards = beta * (rejected - ref[1::2])
@@ -89,8 +101,8 @@ def dpo_metrics(
         "logps/chosen": chosen.mean().item(),
         "logps/rejected": rejected.mean().item(),
     }
-    if correct is not None and labels is not None:
-        tokens = (labels[0::2, 1:] != IGNORE_INDEX).sum()
+    if correct is not None and label_tokens is not None:
+        tokens = label_tokens[0::2].sum()
         right = correct[0::2].sum()
         metrics["mean_token_accuracy"] = (right / tokens).item() if tokens else 0.0
     return metrics
@@ -106,9 +118,14 @@ def kto_forward_backward(
     ref_logps: torch.Tensor | None = None,
     ref_kl_logps: torch.Tensor | None = None,
     run_config=None,
+    batch_rows: int | None = None,
+    gather: Gather | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """The KTO loss of ``batch`` (the mean over its rows), its gradients accumulated, and
-    the metrics TRL's ``KTOTrainer`` logs with it (:func:`kto_metrics`)."""
+    the metrics TRL's ``KTOTrainer`` logs with it (:func:`kto_metrics`). On several
+    processes, each passes its share of the global batch, ``batch_rows`` the global
+    batch's rows and ``gather``: the KL estimate is the mean of the processes' (as TRL
+    gathers it), the metrics the global batch's."""
     check_kto_options(beta, desirable_weight, undesirable_weight)
     main, kl_rows = _main_rows(batch), _kl_rows(batch)
     desirable = batch["desirable"].to(torch.bool)
@@ -119,17 +136,20 @@ def kto_forward_backward(
     ref = _reference(pipe, main, ref_logps)
     ref_kl = _reference(pipe, kl_rows, ref_kl_logps)
     kl = kto_kl(kl_logps, ref_kl)
+    if gather is not None:  # TRL: each process's mean, gathered, averaged, clamped
+        kl = gather((kl_logps - ref_kl).mean().reshape(1)).mean().clamp(min=0)
 
     def row_losses(logps: torch.Tensor, label: dict) -> torch.Tensor:
         losses, _ = kto_loss(
             logps, label["ref"], label["desirable"], kl.to(logps.device),
             beta=beta, desirable_weight=desirable_weight, undesirable_weight=undesirable_weight,
         )  # fmt: skip
-        return losses.sum() / rows
+        return losses.sum() / (batch_rows or rows)
 
     label = {"ref": ref, "desirable": desirable}
     loss, logps, _ = pipe.forward_backward_logps(main, row_losses, label, run_config=run_config)
     _check_finite(loss, "KTO loss")
+    logps, ref, desirable = _gathered(gather, logps, ref, desirable)
     return loss, kto_metrics(logps, ref, desirable, kl, beta)
 
 
@@ -149,6 +169,10 @@ def kto_metrics(
     if "rewards/chosen" in metrics and "rewards/rejected" in metrics:
         metrics["rewards/margins"] = metrics["rewards/chosen"] - metrics["rewards/rejected"]
     return metrics
+
+
+def _gathered(gather: Gather | None, *tensors: torch.Tensor) -> list[torch.Tensor]:
+    return [t if gather is None else gather(t) for t in tensors]
 
 
 def _main_rows(batch: dict) -> dict:

@@ -29,7 +29,6 @@ from .checkpoints import (
     remove_checkpoint,
 )
 from .disk import SMALL_FILE, writing
-from .evaluation import SftSteps
 from .hub import ModelSource, resolve_model
 from .long_context import fit_sequences, tiling_note
 from .memory_check import reporting_host_memory
@@ -44,7 +43,7 @@ from .optim import (
     step_without_update,
 )
 from .options import TrainOptions, UsageError, write_run_yaml
-from .preference_run import PreferenceSteps
+from .preference_run import steps_of
 from .preflight import Prepared
 from .progress import Progress, Silent, StepReport, open_progress
 from .quiet import quiet_transformers
@@ -125,11 +124,7 @@ class Run:
         self.trackers = Trackers([])
         self.saved_step: int | None = None
         """The step of the newest checkpoint on disk (None: none yet)."""
-        self.method = (  # what a step computes, and an evaluation
-            SftSteps(prepared.train_batches, prepared.eval_batches, self.ranks)
-            if self.options.method == "sft"
-            else PreferenceSteps(self.options, prepared.train_batches, prepared.eval_batches)
-        )
+        self.method = steps_of(prepared, self.ranks)  # what a step computes; evaluations
 
     def say(self, text: str) -> None:
         if not self.main:

@@ -320,6 +320,8 @@ class PreferenceBatches:
         self.seed = seed
         self.pad_id = pad_id
         self.steps_per_epoch = math.ceil(len(self.examples) / batch_size)
+        self.rows = [[i] for i in range(len(self.examples))]
+        """What a batch takes ``batch_size`` of, as ``Batches.rows``: one example each."""
         self.kl_completions = (
             _kl_completions(self.examples, batch_size) if self.method == "kto" else []
         )

@@ -27,11 +27,13 @@ from ..preference import (
     kto_metrics,
     reference_logps,
 )
+from .evaluation import SftSteps
 from .preference_data import (
     PreferenceBatches,
     load_preference_dataset,
     load_preference_held_out,
 )
+from .ranks import Ranks
 from .sources import DataError
 from .usage import UsageError
 
@@ -72,12 +74,26 @@ def preference_batches(options: Any, tokenizer: Any, notes: list[str], pad_id: i
     return tuple(result)
 
 
+def steps_of(prepared: Any, ranks: Ranks):
+    """What each step of the run ``prepared`` computes, and its evaluation: SFT's
+    (:class:`~.evaluation.SftSteps`) or a preference method's."""
+    if prepared.options.method == "sft":
+        return SftSteps(prepared.train_batches, prepared.eval_batches, ranks)
+    return PreferenceSteps(prepared.options, prepared.train_batches, prepared.eval_batches, ranks)
+
+
 class PreferenceSteps:
     """The steps and evaluations of a DPO or KTO run over ``train`` (and ``held_out``)
     batches; :meth:`start` before the first step (and before a checkpoint loads)."""
 
-    def __init__(self, options: Any, train: PreferenceBatches, held_out: PreferenceBatches | None):
-        self.options = options
+    def __init__(
+        self,
+        options: Any,
+        train: PreferenceBatches,
+        held_out: PreferenceBatches | None,
+        ranks: Ranks,
+    ) -> None:
+        self.options, self.ranks = options, ranks
         self.train_batches, self.eval_batches = train, held_out
         self.tables: dict[str, torch.Tensor] | None = None  # full: the reference, per example
 
@@ -111,22 +127,46 @@ class PreferenceSteps:
         self, pipe, index: int, batch: dict, run_config
     ) -> tuple[torch.Tensor, dict[str, float]]:
         refs = self._given(self.train_batches, "train", index)
-        o = self.options
+        o, examples = self.options, len(self.train_batches.indices(index))
+        several = self.ranks.world > 1
+        gather = self._gather if several else None
+        batch, refs = self._share(batch, refs)
         if o.method == "dpo":
             return dpo_forward_backward(
                 pipe, batch, beta=o.beta, loss_type=o.loss_type,
                 label_smoothing=o.label_smoothing, ref_logps=refs[0], run_config=run_config,
+                batch_pairs=examples, gather=gather,
             )  # fmt: skip
         return kto_forward_backward(
             pipe, batch, beta=o.beta, desirable_weight=o.desirable_weight,
             undesirable_weight=o.undesirable_weight, ref_logps=refs[0], ref_kl_logps=refs[1],
-            run_config=run_config,
+            run_config=run_config, batch_rows=examples, gather=gather,
         )  # fmt: skip
+
+    def _share(self, batch: dict, refs: tuple) -> tuple[dict, tuple]:
+        """This process's examples of the global batch (a DPO pair's two rows together),
+        and of the given reference log-probabilities."""
+        if self.ranks.world == 1:
+            return batch, refs
+        per = 2 if self.options.method == "dpo" else 1
+
+        def mine(tensor):
+            if tensor is None:
+                return None
+            grouped = tensor.view(-1, per, *tensor.shape[1:])
+            return torch.tensor_split(grouped, self.ranks.world)[self.ranks.rank].flatten(0, 1)
+
+        return {k: mine(v) for k, v in batch.items()}, tuple(mine(r) for r in refs)
+
+    def _gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Every process's rows of ``tensor``, in rank order (the global batch's)."""
+        return torch.cat(self.ranks.gather(tensor.detach().cpu(), "the preference metrics"))
 
     def evaluate(self, pipe) -> dict[str, float]:
         """The held-out set's loss and metrics, without gradients, in eval mode: the mean
         over its pairs (examples) of the loss, the mean over its batches of each metric
-        (as TRL averages what it logs), each named ``eval_...``."""
+        (as TRL averages what it logs), each named ``eval_...``. Every process evaluates
+        the whole set (no collective)."""
         assert self.eval_batches is not None
         pipe.synchronize()
         training = pipe.training

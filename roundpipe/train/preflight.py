@@ -125,11 +125,7 @@ def _prepare(options: TrainOptions, ranks: Ranks) -> Prepared:
         notes.append(f"loss.png is not drawn: matplotlib is not installed ({install_hint('plot')})")
     images = ImageReader(source.directory, config)
     train_batches, eval_batches = _batches(options, tokenizer, notes, images)
-    if ranks.world > 1 and options.method != "sft":
-        raise UsageError(
-            f"--method {options.method} trains on one process for now (not under torchrun)"
-        )
-    if ranks.world > 1 and train_batches.images is not None:
+    if ranks.world > 1 and getattr(train_batches, "images", None) is not None:
         raise UsageError(
             f"{options.data} has images, which train on one process for now (not under torchrun)"
         )
