@@ -64,7 +64,7 @@ def check_dpo_options(beta: float, loss_type: str, label_smoothing: float) -> No
     if label_smoothing and loss_type != "robust":
         raise ValueError(
             f"label_smoothing {label_smoothing} is used by the robust DPO loss only "
-            f"(TRL ignores it for {loss_type!r}): pass loss_type='robust' or leave it 0"
+            f"(TRL ignores it for {loss_type!r}): use the robust loss or leave it 0"
         )
 
 

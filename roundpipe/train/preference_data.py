@@ -236,8 +236,8 @@ def _split(
             )
     if max_length is not None and start >= max_length:  # TRL drops it, unseen
         raise ValueError(
-            f"its prompt has {start} tokens, --max-length is {max_length}: raise --max-length "
-            "or shorten the prompt"
+            f"its prompt has {start} tokens, --seq-len (--max_length) is {max_length}: raise "
+            "it or shorten the prompt"
         )
     return tuple(prompt[:start]), [tuple(ids[start:]) for ids in full]
 

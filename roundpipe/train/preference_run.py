@@ -119,8 +119,8 @@ class PreferenceSteps:
             return self._step(pipe, index, batch, run_config)
         except NonFiniteStep as error:
             raise NonFiniteStep(
-                f"step {index + 1}: {error}; the weights were not changed (the last "
-                "checkpoint holds the run before it)"
+                f"step {index + 1}: {error}; the step was not applied (the weights are "
+                "those after the step before)"
             ) from None
 
     def _step(

@@ -314,8 +314,8 @@ def test_a_prompt_that_fills_max_length_is_refused(tokenizer, write_jsonl, metho
     prompt = len(tokenizer("The quick brown fox jumps")["input_ids"])
     message = refusal(tokenizer, write_jsonl, rows, method, max_length=prompt)
     assert message.endswith(
-        f"data.jsonl:2: its prompt has {prompt} tokens, --max-length is {prompt}: raise "
-        "--max-length or shorten the prompt"
+        f"data.jsonl:2: its prompt has {prompt} tokens, --seq-len (--max_length) is {prompt}: "
+        "raise it or shorten the prompt"
     )
     assert len(ours(rows, tokenizer, write_jsonl, method, prompt + 1).examples) > 1
 
