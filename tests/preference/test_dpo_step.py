@@ -6,12 +6,21 @@ the same pipe with its adapters off, as TRL's peft path)."""
 from __future__ import annotations
 
 import copy
-import random
 
 import pytest
 import torch
-from support.train_fixtures import WORDS, build_tokenizer, tiny_qwen3_config
-from support.trl_oracle import pair_adjacent, trl_batch, trl_step, trl_trainer
+from support.train_fixtures import build_tokenizer
+from support.trl_oracle import (
+    lora_config,
+    pair_adjacent,
+    paired_records,
+    tiny_model,
+    trained_policy,
+    trl_batch,
+    trl_reference_logps,
+    trl_step,
+    trl_trainer,
+)
 
 import roundpipe
 from roundpipe.preference import dpo_forward_backward
@@ -22,57 +31,6 @@ METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/
            "logps/chosen", "logps/rejected", "mean_token_accuracy")  # fmt: skip
 
 
-def records(count: int, seed: int = 0, conversational: bool = False) -> list[dict]:
-    rng = random.Random(seed)
-
-    def words(n: int) -> str:
-        return " ".join(rng.choice(WORDS[3:]) for _ in range(n))
-
-    rows = []
-    for _ in range(count):
-        prompt, chosen, rejected = words(rng.randint(2, 5)), words(rng.randint(1, 4)), words(3)
-        if conversational:
-            rows.append({
-                "prompt": [{"role": "user", "content": prompt}],
-                "chosen": [{"role": "assistant", "content": chosen}],
-                "rejected": [{"role": "assistant", "content": rejected}],
-            })  # fmt: skip
-        else:
-            rows.append({"prompt": prompt, "chosen": " " + chosen, "rejected": " " + rejected})
-    return rows
-
-
-def tiny_model(tokenizer):
-    import transformers
-
-    torch.manual_seed(0)
-    return transformers.Qwen3ForCausalLM(tiny_qwen3_config(len(tokenizer))).float()
-
-
-def lora_config():
-    import peft
-
-    return peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "up_proj"])
-
-
-def trained_policy(trainer):
-    """TRL's policy moved away from its reference (the adapters off zero; a full model's
-    weights by noise), and a copy of it for us."""
-    with torch.no_grad():
-        generator = torch.Generator().manual_seed(1)
-        for name, param in trainer.model.named_parameters():
-            if "lora_B" in name:
-                param.copy_(torch.randn(param.shape, generator=generator) * 0.5)
-            elif param.requires_grad:
-                param.add_(torch.randn(param.shape, generator=generator) * 0.05)
-    return copy.deepcopy(trainer.model)
-
-
-def trl_reference_logps(trainer, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
-    with torch.no_grad():
-        return trainer.compute_ref_log_probs(trainer.ref_model or trainer.model, batch)
-
-
 @pytest.mark.parametrize(
     ("loss_type", "smoothing"), [("sigmoid", 0.0), ("ipo", 0.0), ("hinge", 0.0), ("robust", 0.1)]
 )
@@ -81,7 +39,7 @@ def test_a_dpo_step_equals_trls(loss_type, smoothing, lora, tmp_path):
     tokenizer = build_tokenizer()
     beta = 0.3
     trainer = trl_trainer(
-        "dpo", tiny_model(tokenizer), tokenizer, records(6, conversational=lora), tmp_path,
+        "dpo", tiny_model(tokenizer), tokenizer, paired_records(6, conversational=lora), tmp_path,
         peft_config=lora_config() if lora else None,
         beta=beta, loss_type=[loss_type], label_smoothing=smoothing, max_length=64,
     )  # fmt: skip
@@ -116,7 +74,12 @@ def test_the_lora_reference_is_the_base_model_with_the_adapters_off(tmp_path):
     """Our reference pass (adapters off) equals TRL's reference pass of the peft model."""
     tokenizer = build_tokenizer()
     trainer = trl_trainer(
-        "dpo", tiny_model(tokenizer), tokenizer, records(4), tmp_path, peft_config=lora_config()
+        "dpo",
+        tiny_model(tokenizer),
+        tokenizer,
+        paired_records(4),
+        tmp_path,
+        peft_config=lora_config(),
     )
     model = trained_policy(trainer)
     batch = trl_batch(trainer)
@@ -134,7 +97,7 @@ def test_the_lora_reference_is_the_base_model_with_the_adapters_off(tmp_path):
 def test_a_step_with_a_nan_reference_is_refused_before_anything_runs(tmp_path):
     tokenizer = build_tokenizer()
     model = tiny_model(tokenizer)
-    trainer = trl_trainer("dpo", copy.deepcopy(model), tokenizer, records(2), tmp_path)
+    trainer = trl_trainer("dpo", copy.deepcopy(model), tokenizer, paired_records(2), tmp_path)
     batch = pair_adjacent(trl_batch(trainer))
     from roundpipe.preference import NonFiniteStep
 
