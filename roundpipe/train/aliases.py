@@ -36,6 +36,7 @@ HF_NAMES: dict[str, str] = {
     "label_smoothing": "label_smoothing",
     "desirable_weight": "desirable_weight",
     "undesirable_weight": "undesirable_weight",
+    "precompute_ref_log_probs": "precompute_ref_log_probs",
 }
 """Their name -> our option's key, for options whose meaning is the same."""
 

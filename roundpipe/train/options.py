@@ -316,6 +316,7 @@ class TrainOptions:
     report_to: str
     method: str
     beta: float
+    precompute_ref_log_probs: bool
     loss_type: str
     label_smoothing: float
     desirable_weight: float

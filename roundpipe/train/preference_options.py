@@ -13,7 +13,7 @@ from .usage import UsageError
 METHODS = ("sft", "dpo", "kto")
 DPO_ONLY = ("loss_type", "label_smoothing")
 KTO_ONLY = ("desirable_weight", "undesirable_weight")
-PREFERENCE_ONLY = ("beta", *DPO_ONLY, *KTO_ONLY)
+PREFERENCE_ONLY = ("beta", "precompute_ref_log_probs", *DPO_ONLY, *KTO_ONLY)
 """Options of a preference method: an SFT run's record leaves them out."""
 PREFERENCE_GROUP = "preference tuning (--method dpo, kto)"
 
@@ -36,6 +36,11 @@ def preference_options(option: Any) -> tuple:
             "label-smoothing", float, 0.0,
             "DPO, --loss-type robust: the probability a preference is flipped, in [0, 0.5)",
             group,
+        ),
+        option(
+            "precompute-ref-log-probs", None, False,
+            "LoRA: the reference's log-probabilities of every example in one pass before the "
+            "first step, not each step's (a full fine-tune always precomputes them)", group,
         ),
         option("desirable-weight", float, 1.0, "KTO: the weight of desirable examples", group),
         option("undesirable-weight", float, 1.0, "KTO: the weight of undesirable ones", group),

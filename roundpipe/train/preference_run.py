@@ -6,17 +6,20 @@ The reference of a LoRA run is the pipe with its adapters off, at every step; a 
 fine-tune's is the model as loaded, whose log-probabilities of every example are
 computed once, in one forward-only pass before the first step (before a checkpoint is
 loaded on ``--resume``: the same numbers), and kept in host memory (8 bytes per
-example), as TRL's ``precompute_ref_log_probs``.
+example), as TRL's ``precompute_ref_log_probs``; a LoRA run does so too with
+``--precompute-ref-log-probs`` (adapters off, before a checkpoint loads).
 """
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
 
 from ..preference import (
     NonFiniteStep,
+    adapters_off,
     dpo_forward_backward,
     dpo_loss,
     dpo_metrics,
@@ -98,16 +101,20 @@ class PreferenceSteps:
         self.tables: dict[str, torch.Tensor] | None = None  # full: the reference, per example
 
     def start(self, pipe, say) -> None:
-        """A full fine-tune: the reference log-probabilities of every example, from the
-        weights as loaded (one forward-only pass over the data)."""
-        if is_lora_pipe(pipe):
+        """A full fine-tune (or ``--precompute-ref-log-probs``): the reference
+        log-probabilities of every example, from the weights as loaded (a LoRA run's
+        with its adapters off), in one forward-only pass over the data."""
+        lora = is_lora_pipe(pipe)
+        if lora and not self.options.precompute_ref_log_probs:
             return
         count = len(self.train_batches.examples)
+        what = "the base, adapters off" if lora else "the model as loaded"
         say(f"computing the reference log-probabilities of the {count} training examples "
-            "(the model as loaded: a full fine-tune's reference)")  # fmt: skip
-        self.tables = {"train": _reference_table(pipe, self.train_batches)}
-        if self.eval_batches is not None:
-            self.tables["eval"] = _reference_table(pipe, self.eval_batches)
+            f"({what})")  # fmt: skip
+        with adapters_off(pipe) if lora else contextlib.nullcontext():
+            self.tables = {"train": _reference_table(pipe, self.train_batches)}
+            if self.eval_batches is not None:
+                self.tables["eval"] = _reference_table(pipe, self.eval_batches)
 
     def step(
         self, pipe, index: int, batch: dict, run_config
