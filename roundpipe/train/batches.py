@@ -42,7 +42,7 @@ class Batches:
                 "yet; drop --packing"
             )
         if packing:
-            order = torch.randperm(len(self.examples), generator=_generator(seed)).tolist()
+            order = torch.randperm(len(self.examples), generator=seeded_generator(seed)).tolist()
             lengths = [len(self.examples[i].input_ids) for i in order]
             self.rows = [[order[j] for j in window] for window in pack(lengths, self.seq_len)]
         else:
@@ -56,7 +56,7 @@ class Batches:
         if self.packing:
             return _packed_batch(rows, self.seq_len, self.pad_id)
         examples = [row[0] for row in rows]
-        batch = _padded_batch(examples, self.pad_id)
+        batch = padded_batch(examples, self.pad_id)
         if self.images is not None and any(example.images for example in examples):
             images = [image for example in examples for image in example.images]
             grids = [grid for example in examples for grid in example.grids]
@@ -79,7 +79,7 @@ class Batches:
             raise ValueError(f"step must be a non-negative integer, got {step!r}")
         epoch, index = divmod(step, self.steps_per_epoch)
         if self._epoch_order is None or self._epoch_order[0] != epoch:
-            generator = _generator(self.seed + epoch)
+            generator = seeded_generator(self.seed + epoch)
             self._epoch_order = epoch, torch.randperm(len(self.rows), generator=generator).tolist()
         return self._epoch_order[1][index * self.batch_size : (index + 1) * self.batch_size]
 
@@ -113,11 +113,11 @@ def pack(lengths: list[int], capacity: int) -> list[list[int]]:
     return windows
 
 
-def _generator(seed: int) -> torch.Generator:
+def seeded_generator(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
 
-def _padded_batch(examples: list[Example], pad_id: int) -> dict[str, torch.Tensor]:
+def padded_batch(examples: list[Example], pad_id: int) -> dict[str, torch.Tensor]:
     width = max(len(example.input_ids) for example in examples)
     input_ids = torch.full((len(examples), width), pad_id, dtype=torch.long)
     attention_mask = torch.zeros((len(examples), width), dtype=torch.long)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -118,7 +118,23 @@ def load_held_out(
     each side keeping the records' order; records are split before tokenizing, so the
     examples of one conversation stay on one side."""
     _check_seq_len(seq_len)
-    parts = _read(sources, split, fields)
+    sides = held_out_sides(_read(sources, split, fields), fraction, seed, sources)
+    name = str(sources)
+    held_out = f"{name} (held out)"
+    return (
+        _tokenized_dataset(name, sides[0], tokenizer, seq_len, train_on_prompt, images),
+        _tokenized_dataset(held_out, sides[1], tokenizer, seq_len, train_on_prompt, images),
+    )
+
+
+Part = TypeVar("Part", bound=Any)
+
+
+def held_out_sides(
+    parts: list[Part], fraction: float, seed: int, sources: Any
+) -> tuple[list[Part], list[Part]]:
+    """``parts`` (dataclasses with ``records``) split into (train, held out) records as
+    :func:`load_held_out` says, each side's parts keeping the records' order."""
     total = sum(len(part.records.rows) for part in parts)
     held = round(fraction * total)
     if not 0 < held < total:
@@ -128,7 +144,7 @@ def load_held_out(
         )
     order = torch.randperm(total, generator=torch.Generator().manual_seed(seed)).tolist()
     chosen = set(order[:held])
-    sides: tuple[list[_Part], list[_Part]] = ([], [])
+    sides: tuple[list[Part], list[Part]] = ([], [])
     offset = 0
     for part in parts:
         count = len(part.records.rows)
@@ -138,14 +154,9 @@ def load_held_out(
                 records = part.records.subset(indices)
                 if keep:
                     records = replace(records, label=f"{records.label} (held out)")
-                side.append(_Part(part.format, part.description, records))
+                side.append(replace(part, records=records))
         offset += count
-    name = str(sources)
-    held_out = f"{name} (held out)"
-    return (
-        _tokenized_dataset(name, sides[0], tokenizer, seq_len, train_on_prompt, images),
-        _tokenized_dataset(held_out, sides[1], tokenizer, seq_len, train_on_prompt, images),
-    )
+    return sides
 
 
 def _check_seq_len(seq_len: int) -> None:

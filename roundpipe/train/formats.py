@@ -50,6 +50,19 @@ _DESCRIPTIONS = {
 
 def parse_fields(spec: str | None) -> dict[str, str]:
     """``--data-fields prompt=question,completion=answer`` as ``{field: column}``."""
+    fields = parse_field_map(spec, tuple(FIELD_FORMATS), "the fields are")
+    formats = sorted({FIELD_FORMATS[field] for field in fields})
+    if len(formats) > 1:
+        raise DataError(
+            f"--data-fields {spec!r} maps fields of more than one format "
+            f"({' and '.join(_DESCRIPTIONS[f] for f in formats)}); a source has one format"
+        )
+    return fields
+
+
+def parse_field_map(spec: str | None, known: tuple[str, ...], listed: str) -> dict[str, str]:
+    """``--data-fields FIELD=COLUMN,...`` as ``{field: column}``, each field one of
+    ``known`` (else refused, ``listed`` introducing them) and mapped once."""
     if not spec:
         return {}
     fields: dict[str, str] = {}
@@ -57,20 +70,13 @@ def parse_fields(spec: str | None) -> dict[str, str]:
         field, equals, column = (part.strip() for part in item.partition("="))
         if not equals or not field or not column:
             raise DataError(f"--data-fields {spec!r}: {item!r} is not FIELD=COLUMN")
-        if field not in FIELD_FORMATS:
+        if field not in known:
             raise DataError(
-                f"--data-fields {spec!r}: unknown field {field!r}; the fields are "
-                f"{', '.join(FIELD_FORMATS)}"
+                f"--data-fields {spec!r}: unknown field {field!r}; {listed} {', '.join(known)}"
             )
         if field in fields:
             raise DataError(f"--data-fields {spec!r}: {field!r} is mapped twice")
         fields[field] = column
-    formats = sorted({FIELD_FORMATS[field] for field in fields})
-    if len(formats) > 1:
-        raise DataError(
-            f"--data-fields {spec!r} maps fields of more than one format "
-            f"({' and '.join(_DESCRIPTIONS[f] for f in formats)}); a source has one format"
-        )
     return fields
 
 
@@ -83,7 +89,7 @@ def normalise(records: Records, fields: dict[str, str]) -> tuple[str, str, Recor
     rows, first = [], None
     for i, record in enumerate(records.rows):
         try:
-            kind, row = _normalised(_renamed(record, fields), allowed)
+            kind, row = _normalised(renamed(record, fields), allowed)
         except ValueError as error:
             raise DataError(f"{records.where(i)}: {error}") from error
         if first is None:
@@ -106,7 +112,7 @@ def normalise(records: Records, fields: dict[str, str]) -> tuple[str, str, Recor
     return internal.get(first, "messages"), _DESCRIPTIONS[first], records.with_rows(rows)
 
 
-def _renamed(record: dict, fields: dict[str, str]) -> dict:
+def renamed(record: dict, fields: dict[str, str]) -> dict:
     """``record`` with each mapped column under its field's name (and the columns that
     already bore those names dropped)."""
     if not fields:
@@ -150,7 +156,7 @@ def _normalised(record: dict, allowed: set[str]) -> tuple[str, dict]:
         return kind, {"text": _string(record, "text")}
     images = _images(record) if kind in ("messages", "prompt_completion") else None
     if kind == "messages":
-        messages = _messages(record["messages"], "messages", images is not None)
+        messages = messages_of(record["messages"], "messages", images is not None)
         return kind, _with_images({"messages": messages, "learn_from": 0}, images)
     if kind == "sharegpt":
         return kind, {"messages": _sharegpt(record["conversations"]), "learn_from": 0}
@@ -164,8 +170,8 @@ def _normalised(record: dict, allowed: set[str]) -> tuple[str, dict]:
     prompt, completion = record["prompt"], record["completion"]
     if isinstance(prompt, list) and isinstance(completion, list):
         parts = images is not None
-        prompt = _messages(prompt, "prompt", parts)
-        completion = _messages(completion, "completion", parts)
+        prompt = messages_of(prompt, "prompt", parts)
+        completion = messages_of(completion, "completion", parts)
         if not any(message["role"] == "assistant" for message in completion):
             raise ValueError('the "completion" has no assistant message, so nothing to learn')
         normalised = {"messages": prompt + completion, "learn_from": len(prompt)}
@@ -215,7 +221,7 @@ def _with_images(normalised: dict, images: list | None) -> dict:
     return {**normalised, "images": images}
 
 
-def _messages(messages: Any, key: str, parts: bool = False) -> list[dict]:
+def messages_of(messages: Any, key: str, parts: bool = False) -> list[dict]:
     """Checked messages, each with its content as one string (``parts``: a list of
     text and image parts kept as such) and without the empty (``None``) keys a table
     gives messages that lack them."""

@@ -15,15 +15,15 @@ do (docs/design.md#training-data).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from .batches import _generator, _padded_batch
+from .batches import padded_batch, seeded_generator
 from .chat import IGNORE_INDEX
-from .data import Example
+from .data import Example, held_out_sides
 from .preference_formats import PreferenceSource, read_preference_sources, unpaired_order
 from .sources import DataError, Records
 
@@ -109,27 +109,7 @@ def load_preference_held_out(
     it. Only the training side must hold both kinds of KTO example."""
     _check_options(max_length, method)
     parts = read_preference_sources(sources, split, fields, method)
-    total = sum(len(part.records.rows) for part in parts)
-    held = round(fraction * total)
-    if not 0 < held < total:
-        raise DataError(
-            f"--eval-split {fraction}: holds out {held} of the {total} records of {sources}; "
-            "each side needs at least one"
-        )
-    order = torch.randperm(total, generator=torch.Generator().manual_seed(seed)).tolist()
-    chosen = set(order[:held])
-    sides: tuple[list[PreferenceSource], list[PreferenceSource]] = ([], [])
-    offset = 0
-    for part in parts:
-        count = len(part.records.rows)
-        for side, keep in zip(sides, (False, True), strict=True):
-            indices = [i for i in range(count) if ((offset + i) in chosen) == keep]
-            if indices:
-                records = part.records.subset(indices)
-                if keep:
-                    records = replace(records, label=f"{records.label} (held out)")
-                side.append(replace(part, records=records))
-        offset += count
+    sides = held_out_sides(parts, fraction, seed, sources)
     name = str(sources)
     return (
         _tokenized_dataset(name, sides[0], tokenizer, max_length, method, balanced=True),
@@ -333,13 +313,13 @@ class PreferenceBatches:
 
     def batch_of(self, indices: list[int]) -> dict[str, torch.Tensor]:
         """The batch of the examples at ``indices`` (dataset order), in that order."""
-        batch = _padded_batch([row for i in indices for row in self._rows(i)], self.pad_id)
+        batch = padded_batch([row for i in indices for row in self._rows(i)], self.pad_id)
         if self.method == "kto":
             examples = [self.examples[i] for i in indices]
             kl_rows = [
                 self._row(self.examples[i].prompt_ids, self.kl_completions[i]) for i in indices
             ]
-            kl = _padded_batch(kl_rows, self.pad_id)
+            kl = padded_batch(kl_rows, self.pad_id)
             batch["desirable"] = torch.tensor([e.desirable for e in examples], dtype=torch.bool)
             batch.update({f"kl_{key}": value for key, value in kl.items()})
         return batch
@@ -372,7 +352,9 @@ class PreferenceBatches:
             raise ValueError(f"step must be a non-negative integer, got {step!r}")
         epoch, index = divmod(step, self.steps_per_epoch)
         if self._epoch_order is None or self._epoch_order[0] != epoch:
-            order = torch.randperm(len(self.examples), generator=_generator(self.seed + epoch))
+            order = torch.randperm(
+                len(self.examples), generator=seeded_generator(self.seed + epoch)
+            )
             self._epoch_order = epoch, order.tolist()
         return self._epoch_order[1][index * self.batch_size : (index + 1) * self.batch_size]
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .formats import _messages, _renamed
+from .formats import messages_of, parse_field_map, renamed
 from .sources import DataError, Records, read_source, split_sources
 
 PREFERENCE_FIELDS = ("prompt", "chosen", "rejected", "completion", "label")
@@ -49,22 +49,7 @@ class PreferenceSource:
 
 def parse_preference_fields(spec: str | None) -> dict[str, str]:
     """``--data-fields chosen=good,rejected=bad`` as ``{field: column}``."""
-    if not spec:
-        return {}
-    fields: dict[str, str] = {}
-    for item in (item.strip() for item in spec.split(",")):
-        field, equals, column = (part.strip() for part in item.partition("="))
-        if not equals or not field or not column:
-            raise DataError(f"--data-fields {spec!r}: {item!r} is not FIELD=COLUMN")
-        if field not in PREFERENCE_FIELDS:
-            raise DataError(
-                f"--data-fields {spec!r}: unknown field {field!r}; the fields of preference "
-                f"data are {', '.join(PREFERENCE_FIELDS)}"
-            )
-        if field in fields:
-            raise DataError(f"--data-fields {spec!r}: {field!r} is mapped twice")
-        fields[field] = column
-    return fields
+    return parse_field_map(spec, tuple(PREFERENCE_FIELDS), "the fields of preference data are")
 
 
 def read_preference_sources(
@@ -83,7 +68,7 @@ def normalise_preference(records: Records, fields: dict[str, str], method: str) 
     rows, first = [], None
     for i, record in enumerate(records.rows):
         try:
-            kind, row = _normalised(_renamed(record, fields), method)
+            kind, row = _normalised(renamed(record, fields), method)
         except ValueError as error:
             raise DataError(f"{records.where(i)}: {error}") from error
         if first is None:
@@ -213,7 +198,7 @@ def _value(record: dict, key: str, conversational: bool) -> str | list[dict]:
     if not conversational:
         return value
     try:
-        return _messages(value, key)
+        return messages_of(value, key)
     except ValueError as error:
         raise ValueError(f'"{key}": {error}') from error
 
