@@ -162,13 +162,21 @@ def chunked_loss(hidden, labels, chunk_tokens: int, vocab_size: int, logits_of, 
     total = hidden.new_zeros((), dtype=torch.float32)
     correct = torch.zeros((), dtype=torch.int64, device=hidden.device)
     step = loss_chunk_tokens(chunk_tokens, vocab_size)
-    for start in range(0, targets.numel(), step):
-        piece = slice(start, start + step)
-        args = (logits_of, hidden[piece], targets[piece], *tensors)
+    pieces = [
+        (hidden[i : i + step], targets[i : i + step]) for i in range(0, targets.numel(), step)
+    ]
+    return _summed(_piece_loss, pieces, logits_of, tensors, total, correct)
+
+
+def _summed(piece_loss, pieces: list, logits_of, tensors: tuple, total, correct):
+    """``total`` and ``correct`` plus each ``(hidden, targets)`` piece's loss and count by
+    ``piece_loss``, each recomputed in the backward under autograd."""
+    for hidden, targets in pieces:
+        args = (logits_of, hidden, targets, *tensors)
         if torch.is_grad_enabled():
-            loss, right = checkpointed(_piece_loss, *args, preserve_rng_state=False)
+            loss, right = checkpointed(piece_loss, *args, preserve_rng_state=False)
         else:
-            loss, right = _piece_loss(*args)
+            loss, right = piece_loss(*args)
         total, correct = total + loss, correct + right
     return total, correct
 
@@ -191,15 +199,8 @@ def chunked_row_losses(hidden, labels, chunk_tokens: int, vocab_size: int, logit
     totals = hidden.new_zeros(rows, dtype=torch.float32)
     correct = torch.zeros(rows, dtype=torch.int64, device=hidden.device)
     step = max(1, loss_chunk_tokens(chunk_tokens, vocab_size) // max(rows, 1))
-    for start in range(0, columns, step):
-        piece = slice(start, start + step)
-        args = (logits_of, hidden[:, piece], targets[:, piece], *tensors)
-        if torch.is_grad_enabled():
-            loss, right = checkpointed(_piece_row_losses, *args, preserve_rng_state=False)
-        else:
-            loss, right = _piece_row_losses(*args)
-        totals, correct = totals + loss, correct + right
-    return totals, correct
+    pieces = [(hidden[:, i : i + step], targets[:, i : i + step]) for i in range(0, columns, step)]
+    return _summed(_piece_row_losses, pieces, logits_of, tensors, totals, correct)
 
 
 def _piece_row_losses(logits_of, hidden, targets, *tensors):
