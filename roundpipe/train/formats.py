@@ -15,6 +15,7 @@ content parts, ``{"type": "image"}`` ones standing for the column's images in or
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from .sources import DataError, Records
@@ -80,16 +81,16 @@ def parse_field_map(spec: str | None, known: tuple[str, ...], listed: str) -> di
     return fields
 
 
-def normalise(records: Records, fields: dict[str, str]) -> tuple[str, str, Records]:
-    """``(internal format, source format's description, normalised records)``: the
-    records renamed by ``fields``, checked to share one format and rewritten as
-    ``{"text"}``, ``{"prompt", "completion"}`` or ``{"messages", "learn_from"}`` (the
-    index of the first message whose assistant turns are learnt)."""
-    allowed = {FIELD_FORMATS[field] for field in fields} or set(FORMAT_FIELDS)
+def rows_of_one_format(
+    records: Records, normalised: Callable[[dict], tuple[Any, dict]], describe: Callable
+) -> tuple[Any, list[dict]]:
+    """``(kind, rows)``: each record as ``normalised`` gives its ``(kind, row)`` (a
+    ValueError refuses it, naming the record), all of one kind (``describe(kind)`` names
+    it in the refusal of another); a source without records is refused."""
     rows, first = [], None
     for i, record in enumerate(records.rows):
         try:
-            kind, row = _normalised(renamed(record, fields), allowed)
+            kind, row = normalised(record)
         except ValueError as error:
             raise DataError(f"{records.where(i)}: {error}") from error
         if first is None:
@@ -97,13 +98,25 @@ def normalise(records: Records, fields: dict[str, str]) -> tuple[str, str, Recor
         elif kind != first:
             unit = records.unit
             raise DataError(
-                f"{records.where(i)}: a {_DESCRIPTIONS[kind]} {unit} in a source whose first "
-                f"{unit} ({records.number(0)}) is {_DESCRIPTIONS[first]}; all {unit}s must "
-                "be one format"
+                f"{records.where(i)}: a {describe(kind)} {unit} in a source whose first "
+                f"{unit} ({records.number(0)}) is {describe(first)}; all {unit}s must be "
+                "one format"
             )
         rows.append(row)
     if first is None:
         raise DataError(f"{records.source}: no examples (it is empty or holds only blank lines)")
+    return first, rows
+
+
+def normalise(records: Records, fields: dict[str, str]) -> tuple[str, str, Records]:
+    """``(internal format, source format's description, normalised records)``: the
+    records renamed by ``fields``, checked to share one format and rewritten as
+    ``{"text"}``, ``{"prompt", "completion"}`` or ``{"messages", "learn_from"}`` (the
+    index of the first message whose assistant turns are learnt)."""
+    allowed = {FIELD_FORMATS[field] for field in fields} or set(FORMAT_FIELDS)
+    first, rows = rows_of_one_format(
+        records, lambda record: _normalised(renamed(record, fields), allowed), _DESCRIPTIONS.get
+    )
     internal = {
         "text": "text",
         "prompt_completion": "prompt_completion",

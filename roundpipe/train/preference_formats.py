@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .formats import messages_of, parse_field_map, renamed
-from .sources import DataError, Records, read_source, split_sources
+from .formats import messages_of, parse_field_map, renamed, rows_of_one_format
+from .sources import Records, read_source, split_sources
 
 PREFERENCE_FIELDS = ("prompt", "chosen", "rejected", "completion", "label")
 """Every field name ``--data-fields`` may map a column to for ``--method dpo|kto``."""
@@ -65,24 +65,11 @@ def read_preference_sources(
 
 def normalise_preference(records: Records, fields: dict[str, str], method: str) -> PreferenceSource:
     """``records`` renamed by ``fields``, checked and normalised; all of one format."""
-    rows, first = [], None
-    for i, record in enumerate(records.rows):
-        try:
-            kind, row = _normalised(renamed(record, fields), method)
-        except ValueError as error:
-            raise DataError(f"{records.where(i)}: {error}") from error
-        if first is None:
-            first = kind
-        elif kind != first:
-            unit = records.unit
-            raise DataError(
-                f"{records.where(i)}: a {_format_name(*kind)} {unit} in a source whose first "
-                f"{unit} ({records.number(0)}) is {_format_name(*first)}; all {unit}s must be "
-                "one format"
-            )
-        rows.append(row)
-    if first is None:
-        raise DataError(f"{records.source}: no examples (it is empty or holds only blank lines)")
+    first, rows = rows_of_one_format(
+        records,
+        lambda record: _normalised(renamed(record, fields), method),
+        lambda kind: _format_name(*kind),
+    )
     return PreferenceSource(first[0], first[1], records.with_rows(rows))
 
 
