@@ -98,4 +98,6 @@ def test_tiny_llama_trains_like_pytorch(grain):
             ref_optimizer.zero_grad()
             torch.testing.assert_close(loss, want.detach(), rtol=1e-5, atol=1e-4)
         pipe.synchronize()
-    assert_weights_close(sequential, reference, atol=1e-5)
+    # AdamW at lr 1e-2 moves an element whose gradient is about its eps by a fraction of
+    # the rate on rounding noise alone (2.5e-5 seen under transformers 5.25's kernels).
+    assert_weights_close(sequential, reference, atol=1e-4)

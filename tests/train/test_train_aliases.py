@@ -21,9 +21,11 @@ from roundpipe.train.command_line import add_arguments, given_options  # noqa: E
 from roundpipe.train.options import OPTIONS, UsageError, read_config  # noqa: E402
 
 TRL_ONLY = {"model_name_or_path", "lora_r", "lora_alpha", "lora_dropout", "lora_target_modules",
-            "dataset_name", "dataset_train_split", "max_length", "max_seq_length"}  # fmt: skip
-"""TRL's ``ModelConfig``, ``ScriptArguments`` and ``SFTConfig`` names (the rest are
-``TrainingArguments``')."""
+            "dataset_name", "dataset_train_split", "max_length", "max_seq_length", "loss_type",
+            "label_smoothing", "desirable_weight", "undesirable_weight",
+            "precompute_ref_log_probs"}  # fmt: skip
+"""TRL's ``ModelConfig``, ``ScriptArguments``, ``SFTConfig``, ``DPOConfig`` and
+``KTOConfig`` names (the rest are ``TrainingArguments``')."""
 
 
 def parsed(*args: str) -> dict:
@@ -36,6 +38,14 @@ def test_the_aliases_are_training_arguments_names():
     names = {f.name for f in fields(transformers.TrainingArguments)} | {"warmup_ratio"}  # < v5
     assert set(HF_NAMES) - TRL_ONLY <= names
     assert set(OTHER_MEANING) <= names
+
+
+def test_the_preference_aliases_are_trls_config_names():
+    trl = pytest.importorskip("trl")
+    names = {f.name for f in fields(trl.DPOConfig)} | {f.name for f in fields(trl.KTOConfig)}
+    preference = {"loss_type", "label_smoothing", "desirable_weight", "undesirable_weight",
+                  "precompute_ref_log_probs"}  # fmt: skip
+    assert preference <= names and preference <= set(HF_NAMES)
 
 
 def test_trainer_names_on_the_command_line_set_our_options():
