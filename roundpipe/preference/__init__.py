@@ -14,16 +14,20 @@ from .losses import DPO_LOSS_TYPES, dpo_loss, kto_kl, kto_loss
 from .reference import adapters_off, is_lora_pipe, reference_logps
 from .steps import (
     NonFiniteStep,
+    completion_lengths,
     dpo_forward_backward,
     dpo_metrics,
+    kl_rows_of,
     kto_forward_backward,
     kto_metrics,
+    main_rows,
 )
 
 __all__ = [
     "DPO_LOSS_TYPES",
     "NonFiniteStep",
     "adapters_off",
+    "completion_lengths",
     "dpo_forward_backward",
     "dpo_loss",
     "dpo_metrics",
@@ -31,6 +35,8 @@ __all__ = [
     "kto_forward_backward",
     "kto_kl",
     "kto_loss",
+    "kl_rows_of",
     "kto_metrics",
+    "main_rows",
     "reference_logps",
 ]

@@ -57,7 +57,7 @@ def dpo_forward_backward(
     ``batch_pairs`` the global batch's pairs (the loss is their mean) and ``gather``
     (the metrics are the global batch's)."""
     check_dpo_options(beta, loss_type, label_smoothing)
-    main = _main_rows(batch)
+    main = main_rows(batch)
     rows = main["input_ids"].shape[0]
     if rows % 2:
         raise ValueError(f"a DPO batch holds pairs of rows, got {rows} rows")
@@ -127,7 +127,7 @@ def kto_forward_backward(
     batch's rows and ``gather``: the KL estimate is the mean of the processes' (as TRL
     gathers it), the metrics the global batch's."""
     check_kto_options(beta, desirable_weight, undesirable_weight)
-    main, kl_rows = _main_rows(batch), _kl_rows(batch)
+    main, kl_rows = main_rows(batch), kl_rows_of(batch)
     desirable = batch["desirable"].to(torch.bool)
     rows = main["input_ids"].shape[0]
     _label_rows(main["labels"])
@@ -175,14 +175,16 @@ def _gathered(gather: Gather | None, *tensors: torch.Tensor) -> list[torch.Tenso
     return [t if gather is None else gather(t) for t in tensors]
 
 
-def _main_rows(batch: dict) -> dict:
+def main_rows(batch: dict) -> dict:
+    """The policy's rows of a preference batch: ``input_ids``, ``attention_mask``, ``labels``."""
     missing = [k for k in ("input_ids", "labels") if k not in batch]
     if missing:
         raise ValueError(f"the batch needs {', '.join(missing)}")
     return {k: batch[k] for k in MAIN_INPUTS if k in batch}
 
 
-def _kl_rows(batch: dict) -> dict:
+def kl_rows_of(batch: dict) -> dict:
+    """A KTO batch's KL rows (``kl_input_ids``...) under the policy's names."""
     missing = [k for k in ("kl_input_ids", "kl_labels", "desirable") if k not in batch]
     if missing:
         raise ValueError(f"a KTO batch needs {', '.join(missing)} (the KL rows, each row's label)")
@@ -199,6 +201,11 @@ def _label_rows(labels: torch.Tensor) -> torch.Tensor:
             f"rows {empty} of the batch have no completion token to score (all truncated?): "
             "every row needs a label token after its first position"
         )
+    return completion_lengths(labels)
+
+
+def completion_lengths(labels: torch.Tensor) -> torch.Tensor:
+    """Each row's completion tokens: labels not ``-100``, unshifted (TRL's IPO divisor)."""
     return (labels != IGNORE_INDEX).sum(dim=1).float()
 
 

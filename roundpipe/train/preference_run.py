@@ -20,14 +20,17 @@ import torch
 from ..preference import (
     NonFiniteStep,
     adapters_off,
+    completion_lengths,
     dpo_forward_backward,
     dpo_loss,
     dpo_metrics,
     is_lora_pipe,
+    kl_rows_of,
     kto_forward_backward,
     kto_kl,
     kto_loss,
     kto_metrics,
+    main_rows,
     reference_logps,
 )
 from .evaluation import SftSteps
@@ -203,18 +206,18 @@ class PreferenceSteps:
         assert batches is not None
         batch = batches.batch(index)
         given = self._given(batches, "eval", index)
-        main = {k: batch[k] for k in ("input_ids", "attention_mask", "labels")}
+        main = main_rows(batch)
         logps = pipe.sequence_logps(main)
         ref = given[0] if given[0] is not None else reference_logps(pipe, main)
         if o.method == "dpo":
+            lengths = completion_lengths(main["labels"])
             losses, _, _ = dpo_loss(
                 logps[0::2], logps[1::2], ref[0::2], ref[1::2], beta=o.beta,
                 loss_type=o.loss_type, label_smoothing=o.label_smoothing,
-                chosen_lengths=_lengths(main)[0::2], rejected_lengths=_lengths(main)[1::2],
+                chosen_lengths=lengths[0::2], rejected_lengths=lengths[1::2],
             )  # fmt: skip
             return losses, dpo_metrics(logps, ref, o.beta)
-        kl_rows = {"input_ids": batch["kl_input_ids"], "attention_mask": batch["kl_attention_mask"],
-                   "labels": batch["kl_labels"]}  # fmt: skip
+        kl_rows = kl_rows_of(batch)
         ref_kl = given[1] if given[1] is not None else reference_logps(pipe, kl_rows)
         kl = kto_kl(pipe.sequence_logps(kl_rows), ref_kl)
         desirable = batch["desirable"]
@@ -241,16 +244,10 @@ def _reference_table(pipe, batches: PreferenceBatches) -> torch.Tensor:
     count = len(batches.examples)
     for start in range(0, count, batches.batch_size):
         batch = batches.batch_of(list(range(start, min(start + batches.batch_size, count))))
-        main = {k: batch[k] for k in ("input_ids", "attention_mask", "labels")}
-        logps = pipe.sequence_logps(main)
+        logps = pipe.sequence_logps(main_rows(batch))
         if batches.method == "dpo":
             rows.append(logps.view(-1, 2))
         else:
-            kl = {"input_ids": batch["kl_input_ids"], "attention_mask": batch["kl_attention_mask"],
-                  "labels": batch["kl_labels"]}  # fmt: skip
-            rows.append(torch.stack([logps, pipe.sequence_logps(kl)], dim=1))
+            kl = pipe.sequence_logps(kl_rows_of(batch))
+            rows.append(torch.stack([logps, kl], dim=1))
     return torch.cat(rows)
-
-
-def _lengths(rows: dict) -> torch.Tensor:
-    return (rows["labels"] != -100).sum(dim=1).float()
