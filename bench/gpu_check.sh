@@ -6,14 +6,15 @@
 # dequantize on CUDA against the CPU bit for bit, a short throughput probe, then one
 # step of a 2-layer Llama-3.1-8B-shaped model at the longest sequence predicted for a
 # 24 GiB card (the allocator capped to it), its measured peak beside the prediction
-# (docs/design.md#long-context).
+# (docs/design.md#long-context), and three exact steps on a mixed pool where the machine
+# has GPUs of two kinds (skipped otherwise, saying so; docs/design.md#mixed-pools).
 #
 #   bench/gpu_check.sh              # on a machine with an NVIDIA GPU
 #   bench/gpu_check.sh --dry-run    # every step on emulated devices or skipped, with why
 #
 # It installs nothing (the GPU machines reach no network): the repository is put on
 # PYTHONPATH. Each step runs under `timeout -s ABRT` (a hang dumps every thread's stack:
-# PYTHONFAULTHANDLER), cheapest and most telling first, within 9 minutes in all; its
+# PYTHONFAULTHANDLER), cheapest and most telling first, within 9.5 minutes in all; its
 # output goes to $OUT/<step>.log (OUT defaults to a new temporary folder) and the screen,
 # and a closing table gives each step's exit status, seconds and key line. Any step's
 # failure fails the script.
@@ -74,6 +75,7 @@ if [ "$DRY" -eq 1 ]; then
     step nf4 150 "$PY" bench/gpu_nf4_check.py --device cpu  # ~60 s of CPU work and imports
     skip probe "it times CUDA kernels against PyTorch on the same GPU"
     skip long-context "it measures a CUDA allocator's peak"
+    step mixed-pool 60 "$PY" bench/gpu_mixed_check.py --devices emulated:2@1,0.5
 else
     step cuda-tests 150 "${PYTEST[@]}" -m cuda "${CUDA_TESTS[@]}"
     ROUNDPIPE_CUDA_DELAY_CYCLES=2000000 step race-windows 60 "${PYTEST[@]}" -m cuda \
@@ -82,6 +84,7 @@ else
     step nf4 60 "$PY" bench/gpu_nf4_check.py --device cuda:0
     step probe 60 "$PY" bench/gpu_probe.py --devices cuda:0,0,0 --steps 12
     step long-context 90 "$PY" bench/long_context.py --gpu cuda:0 --layers 2 --budget-gib 24
+    step mixed-pool 30 "$PY" bench/gpu_mixed_check.py  # skipped unless two different GPUs
 fi
 
 echo

@@ -10,7 +10,7 @@ from .core.config import RoundPipeRunConfig
 from .core.plan import Plan, PlanError
 from .core.schedule import Job, JobKind, Schedule, lower
 from .devices import DevicePool, EmulatedDevicePool, EmulatedOptions, OpInfo, make_pool
-from .errors import RoundPipeError
+from .errors import MixedPoolDropoutError, RoundPipeError
 from .hf.loading import from_pretrained
 from .hf.pipe import HFRoundPipe, from_hf
 from .model import RoundPipe
@@ -23,6 +23,7 @@ __all__ = [
     "HFRoundPipe",
     "Job",
     "JobKind",
+    "MixedPoolDropoutError",
     "OpInfo",
     "PeerFailure",
     "Plan",

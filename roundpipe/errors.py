@@ -81,6 +81,12 @@ class RoundPipeError(RuntimeError):
     """Something failed inside the pipeline; the original exception is chained."""
 
 
+class MixedPoolDropoutError(ValueError):
+    """On a pool of different GPUs, a layer drawing random numbers (dropout) would be
+    recomputed on another kind of card than the one that ran its forward: CUDA's masks
+    depend on the GPU model, so the gradients would be wrong (docs/design.md#mixed-pools)."""
+
+
 _subclass_cache: dict[type, type] = {}
 
 

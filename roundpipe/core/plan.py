@@ -16,6 +16,10 @@ class PlanError(ValueError):
     """A plan does not describe a valid partition of the model's layers."""
 
 
+PLACED = "@0"
+"""How a placed plan's string ends (:attr:`Plan.placed`)."""
+
+
 @dataclass(frozen=True)
 class Plan:
     """Forward and backward stage sizes, in layers.
@@ -23,14 +27,22 @@ class Plan:
     ``forward[i]`` is the number of layers of forward stage ``i`` (shallowest
     first). ``backward[i]`` is the number of layers of backward stage ``i`` in
     execution order, i.e. deepest first: ``backward[0]`` is the fused stage.
+
+    ``placed``: every call starts at device 0, so job ``j`` always runs on device
+    ``j mod N`` and each stage can be sized for the device that runs it (a mixed pool's
+    plans, docs/design.md#mixed-pools); otherwise the round-robin cursor carries over
+    from call to call. Written with a trailing ``@0``: ``"6,3|2,1,1,2,1,1,2@0"``.
     """
 
     forward: tuple[int, ...]
     backward: tuple[int, ...]
+    placed: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "forward", _layer_counts("forward", self.forward))
         object.__setattr__(self, "backward", _layer_counts("backward", self.backward))
+        if not isinstance(self.placed, bool):
+            raise PlanError(f"placed is True or False, got {self.placed!r}")
 
     @property
     def num_layers(self) -> int:
@@ -83,16 +95,23 @@ class Plan:
         return self
 
     def __str__(self) -> str:
-        return f"{','.join(map(str, self.forward))}|{','.join(map(str, self.backward))}"
+        sizes = f"{','.join(map(str, self.forward))}|{','.join(map(str, self.backward))}"
+        return sizes + (PLACED if self.placed else "")
+
+    def with_sizes(self, forward: Sequence[int], backward: Sequence[int]) -> Plan:
+        """A plan of these stage sizes, placed as this one."""
+        return Plan(tuple(forward), tuple(backward), self.placed)
 
     @classmethod
     def parse(cls, text: str) -> Plan:
-        """Parse ``"3,3|2,1,1,1,1,1,1"`` (forward sizes | backward sizes, fused first)."""
+        """Parse ``"3,3|2,1,1,1,1,1,1"`` (forward sizes | backward sizes, fused first),
+        ``"...@0"`` placed (every call from device 0)."""
         if text.count("|") != 1:
-            raise PlanError(f"a plan reads 'fwd,fwd,...|bwd,bwd,...', got {text!r}")
-        fwd, bwd = text.split("|")
+            raise PlanError(f"a plan reads 'fwd,fwd,...|bwd,bwd,...[@0]', got {text!r}")
+        placed = text.rstrip().endswith(PLACED)
+        fwd, bwd = text.rstrip().removesuffix(PLACED).split("|")
         try:
-            return cls(_parse_sizes(fwd), _parse_sizes(bwd))
+            return cls(_parse_sizes(fwd), _parse_sizes(bwd), placed)
         except ValueError as exc:
             raise PlanError(f"could not read plan {text!r}: {exc}") from None
 

@@ -60,6 +60,13 @@ class Schedule:
         return (self.first_device + len(self.jobs)) % self.num_devices
 
     @property
+    def next_cursor(self) -> int:
+        """Where the next call's first job goes: :attr:`next_device`, or device 0 after
+        a placed plan (``Plan.placed``: its stages are sized for the devices that run
+        them, so every call places its jobs alike; docs/design.md#mixed-pools)."""
+        return 0 if self.plan.placed else self.next_device
+
+    @property
     def forward_jobs(self) -> tuple[Job, ...]:
         return tuple(j for j in self.jobs if j.kind is JobKind.FORWARD)
 
@@ -107,12 +114,13 @@ def lower_unfused(
 def _schedule(
     plan: Plan, num_devices: int, first_device: int, stages: list[tuple[JobKind, int, range]]
 ) -> Schedule:
-    """Jobs for ``stages`` in order, round-robin from ``first_device``; a backward job
-    recomputes from the input saved by the forward job that ran its first layer."""
+    """Jobs for ``stages`` in order, round-robin from ``first_device`` (from device 0
+    for a placed plan); a backward job recomputes from the input saved by the forward
+    job that ran its first layer."""
     if num_devices < 1:
         raise ValueError(f"num_devices must be at least 1, got {num_devices}")
     plan.validate(plan.num_layers)
-    first_device %= num_devices
+    first_device = 0 if plan.placed else first_device % num_devices  # placed: job j on j mod N
     forward_job_of_layer = {
         layer: index
         for index, (kind, _, layers) in enumerate(stages)

@@ -1,12 +1,15 @@
 """Device pools: which devices jobs are dispatched to, chosen by a spec string.
 
 ``"cuda"`` (all visible GPUs), ``"cuda:0,2"``, ``"emulated:4"`` (4 virtual devices
-on the CPU). Without an explicit spec: all CUDA GPUs, or without CUDA the spec in
-``ROUNDPIPE_DEVICES``, else ``emulated:2`` with a one-time notice.
+on the CPU), ``"emulated:4@0.5"`` (all at half speed) or ``"emulated:4@1,1,0.5,0.5"``
+(a speed per device: a mixed pool, ``EmulatedOptions.speeds``). Without an explicit
+spec: all CUDA GPUs, or without CUDA the spec in ``ROUNDPIPE_DEVICES``, else
+``emulated:2`` with a one-time notice.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import warnings
 from typing import Any
@@ -24,7 +27,7 @@ from .base import (
     Stream,
     Timer,
 )
-from .emulated.device import EmulatedDevicePool, EmulatedOptions
+from .emulated.device import EmulatedDevicePool, EmulatedOptions, check_speeds
 
 __all__ = [
     "Device",
@@ -44,6 +47,12 @@ __all__ = [
 
 _notice_given = False
 
+_SPEC_FORMS = (
+    "'cuda' (all GPUs), 'cuda:0,2' (GPU indices), 'emulated:N' (N virtual devices), "
+    "'emulated:N@S' (all at speed S) or 'emulated:N@S1,...,SN' (one speed per device, "
+    "each above 0, e.g. 'emulated:4@1,1,0.5,0.5')"
+)
+
 
 def make_pool(
     spec: str | DevicePool | None = None, emulated_options: EmulatedOptions | None = None
@@ -57,7 +66,8 @@ def make_pool(
         raise TypeError(f"devices must be a spec string or a DevicePool, got {type(spec).__name__}")
     kind, named = _parsed(spec)
     if kind == "emulated":
-        return EmulatedDevicePool(named, emulated_options)
+        count, speeds = named
+        return EmulatedDevicePool(count, _with_speeds(spec, emulated_options, speeds))
     from .cuda import CudaDevicePool  # imported lazily: touches CUDA
 
     if not torch.cuda.is_available():
@@ -73,19 +83,22 @@ def device_count(spec: str) -> int:
     sees), checked as :func:`make_pool` checks it, without building a pool."""
     kind, named = _parsed(spec)
     if kind == "emulated":
-        return named
+        return named[0]
     return torch.cuda.device_count() if named is None else len(named)
 
 
 def _parsed(spec: str) -> tuple[str, Any]:
-    """``("emulated", N)`` or ``("cuda", indices or None)`` for the spec string ``spec``."""
+    """``("emulated", (N, speeds or None))`` or ``("cuda", indices or None)`` for the spec
+    string ``spec``."""
     kind, colon, rest = spec.strip().partition(":")
     kind = kind.strip()
     if kind == "emulated":
-        return kind, _emulated_count(spec, rest if colon else None)
+        count, at, speeds = rest.partition("@")
+        number = _emulated_count(spec, count if colon else None)
+        return kind, (number, _emulated_speeds(spec, speeds, number) if at else None)
     if kind == "cuda":
         return kind, _cuda_indices(spec, rest if colon else None)
-    raise ValueError(f"unknown device spec {spec!r}: use 'cuda', 'cuda:0,2' or 'emulated:N'")
+    raise ValueError(f"unknown device spec {spec!r}: write {_SPEC_FORMS}")
 
 
 def _emulated_count(spec: str, count: str | None) -> int:
@@ -97,9 +110,42 @@ def _emulated_count(spec: str, count: str | None) -> int:
     if number is None or number < 1:
         raise ValueError(
             f"bad device spec {spec!r}: an emulated pool needs at least one device; write "
-            "'emulated:N' with N >= 1, e.g. 'emulated:4'"
+            f"{_SPEC_FORMS}"
         )
     return number
+
+
+def _emulated_speeds(spec: str, written: str, count: int) -> float | tuple[float, ...]:
+    """The speeds after the ``@`` of ``"emulated:N@..."``: one for all or one per device."""
+    try:
+        speeds = tuple(_speed(text) for text in written.split(","))
+        check_speeds(speeds if len(speeds) > 1 else speeds[0], count)
+    except ValueError as error:
+        raise ValueError(f"bad device spec {spec!r}: {error}; write {_SPEC_FORMS}") from None
+    return speeds if len(speeds) > 1 else speeds[0]
+
+
+def _speed(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise ValueError(f"{text.strip()!r} is not a device speed") from None
+
+
+def _with_speeds(
+    spec: str, options: EmulatedOptions | None, speeds: float | tuple[float, ...] | None
+) -> EmulatedOptions | None:
+    """``options`` with the speeds the spec string wrote, if it wrote any."""
+    if speeds is None:
+        return options
+    options = options or EmulatedOptions()
+    given = options.speeds if isinstance(options.speeds, (tuple, list)) else (options.speeds,)
+    if any(speed != 1.0 for speed in given):
+        raise ValueError(
+            f"device spec {spec!r} gives device speeds and emulated_options gives speeds="
+            f"{options.speeds!r}: give them once, in the spec string or in EmulatedOptions"
+        )
+    return dataclasses.replace(options, speeds=speeds)
 
 
 def _cuda_indices(spec: str, indices: str | None) -> list[int] | None:

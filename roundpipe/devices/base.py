@@ -156,6 +156,14 @@ class Device(abc.ABC):
     def compute(self) -> Stream:
         return self.streams[StreamName.COMPUTE]
 
+    @property
+    @abc.abstractmethod
+    def device_class(self) -> str:
+        """The kind of card: devices of one class are the same kind of card, with the
+        same speed per layer and the same random-number (dropout) masks for a seed;
+        plans and profiles are per class (a CUDA GPU's model name, e.g. "NVIDIA GeForce
+        RTX 4090"; ``"emulated"``, or ``"emulated@0.5x"`` at another speed)."""
+
     def is_pinned(self, tensor: torch.Tensor) -> bool:
         """Whether copies from host ``tensor`` are asynchronous (page-locked memory)."""
         return tensor.is_pinned()
@@ -280,6 +288,15 @@ class DevicePool(abc.ABC):
 
     def __iter__(self) -> Iterator[Device]:
         return iter(self.devices)
+
+    def device_classes(self) -> list[str]:
+        """Each device's :attr:`Device.device_class`, in pool order."""
+        return [device.device_class for device in self.devices]
+
+    @property
+    def mixed(self) -> bool:
+        """Whether the pool holds devices of more than one class."""
+        return len(set(self.device_classes())) > 1
 
     @abc.abstractmethod
     def pin(self, tensor: torch.Tensor, mode: str) -> torch.Tensor:

@@ -10,6 +10,7 @@ another stream alive (docs/design.md#cuda-backend).
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import threading
 import warnings
@@ -132,6 +133,11 @@ class CudaDevice(Device):
 
     def __repr__(self) -> str:
         return f"cuda:{self.index}"
+
+    @functools.cached_property
+    def device_class(self) -> str:
+        """The GPU's model name (``torch.cuda.get_device_properties``)."""
+        return torch.cuda.get_device_properties(self.index).name
 
     def empty_like(self, host: torch.Tensor) -> torch.Tensor:
         return torch.empty(host.shape, dtype=host.dtype, device=self.torch_device)

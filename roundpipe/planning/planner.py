@@ -6,7 +6,7 @@ bandwidth in each direction (weight uploads in the call's chunk size) and the ti
 activation takes to hop between stages; with memory budgets, plans must fit them with
 the activation bytes per microbatch measured at each layer's input. The partitioner runs
 again only when measurements moved materially since the last time it ran
-(``should_replan`` for the layers, :func:`link_moved` for the link,
+(:func:`devices_moved` for the layers, :func:`link_moved` for the link,
 :func:`activations_moved` under budgets), and its new choice replaces the current plan only
 if the simulator predicts it to be clearly faster under the new measurements (or the
 current plan no longer fits the memory budgets), so near-ties measured with noise do not
@@ -102,7 +102,7 @@ class AutoPlanner:
         self._calls_since_check = 0
         costs = self.measure(weight_chunk_bytes)
         assert self._costs is not None
-        moved = should_replan(self._costs.layers, costs.layers) or link_moved(self._costs, costs)
+        moved = devices_moved(self._costs, costs, num_devices) or link_moved(self._costs, costs)
         if not (moved or (self.budgets is not None and activations_moved(self._costs, costs))):
             return self._plan
         self._costs = costs
@@ -136,6 +136,18 @@ class _Background:
             self.result = None
         finally:
             self.done.set()
+
+
+def devices_moved(old: CostModel, new: CostModel, num_devices: int) -> bool:
+    """Whether some device's layer times moved enough to re-plan (``should_replan``
+    device by device: on a mixed pool each class is measured on its own, and a pool
+    that turns out mixed, or no longer, re-plans)."""
+    if old.mixed != new.mixed:
+        return True
+    return any(
+        should_replan(old.layers_on(d), new.layers_on(d))
+        for d in (range(num_devices) if new.mixed else [0])
+    )
 
 
 def link_moved(old: CostModel, new: CostModel, threshold: float = LINK_THRESHOLD) -> bool:

@@ -26,8 +26,11 @@ def stage_footprint(costs: CostModel, layers: range, backward: bool) -> int:
 
 
 def devices_visited(plan: Plan, num_devices: int) -> list[set[int]]:
-    """For each job of a round, the devices it lands on as the cursor moves round to round."""
+    """For each job of a round, the devices it lands on as the cursor moves round to
+    round (a placed plan's rounds all start at device 0: job j on j mod N)."""
     num_jobs = len(plan.forward) + len(plan.backward)
+    if plan.placed:
+        return [{j % num_devices} for j in range(num_jobs)]
     step = num_jobs % num_devices
     cursors = {(k * step) % num_devices for k in range(num_devices)}
     return [{(c + j) % num_devices for c in cursors} for j in range(num_jobs)]

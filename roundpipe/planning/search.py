@@ -12,6 +12,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from heapq import heappop, heappush
 
 from ..core.plan import Plan
+from .mixed import device_sized_plans
 from .rules import equal_size, fits, pack, paper_greedy_plan, rebalance, stage_footprint
 from .sim.bounds import PlanBounds
 from .sim.costs import CostModel
@@ -60,6 +61,7 @@ class Search:
         self._scores: dict[Plan, float] = {}
         self._tight: dict[Plan, float] = {}
         self._stages: dict = {}  # stage durations, shared by every plan scored
+        self._refine_budget = REFINE_BUDGET * (4 if costs.mixed else 1)
         layers = costs.layers
         self.n = layers.num_layers
         self.forward = list(layers.forward)
@@ -127,7 +129,8 @@ class Search:
         # One layer per stage needs the least memory per stage: if anything fits, it does
         # (packing under a time cap, then rebalancing, can miss it on a tight budget).
         finest = Plan((1,) * (self.n - 1), (1,) * self.n)
-        for plan in (finest, paper_greedy_plan(self.costs.layers)):
+        sized = device_sized_plans(self.costs, self.num_devices, self.memory_budgets)
+        for plan in (finest, paper_greedy_plan(self.costs.layers), *sized):
             if plan not in seen and self._fits(plan):
                 seen.add(plan)
                 yield plan
@@ -158,7 +161,7 @@ class Search:
                 if self._fits(p) and self.bounds.of(p) < goal
             ]
             for bound, _, neighbour in sorted(moves):
-                if bound >= goal or self.simulated - spent >= REFINE_BUDGET:
+                if bound >= goal or self.simulated - spent >= self._refine_budget:
                     break
                 if self.score(neighbour) < goal:
                     plan, improved = neighbour, True
@@ -206,12 +209,12 @@ def neighbours(plan: Plan, backward_times: Sequence[float]) -> Iterator[Plan]:
     """Plans one move away: one layer across a forward or a backward stage boundary;
     across the fused boundary (the last forward stage gives or takes it, and the first
     backward stage or the whole run of backward boundaries below moves with it); two
-    adjacent stages merged; a stage split in two."""
+    adjacent stages merged; a stage split in two. Placed as ``plan``."""
     forward, backward = plan.forward, plan.backward
     for moved in _shifted(forward, first=0):
-        yield Plan(moved, backward)
+        yield plan.with_sizes(moved, backward)
     for moved in _shifted(backward, first=1):  # boundary 0 is the fused one
-        yield Plan(forward, moved)
+        yield plan.with_sizes(forward, moved)
     if len(backward) >= 2 and forward:
         for delta in (1, -1):
             last = (*forward[:-1], forward[-1] - delta)
@@ -222,16 +225,16 @@ def neighbours(plan: Plan, backward_times: Sequence[float]) -> Iterator[Plan]:
             run = (backward[0] + delta, *backward[1:-1], backward[-1] - delta)
             for moved in {one, run}:
                 if min(moved) >= 1:
-                    yield Plan(last, moved)
+                    yield plan.with_sizes(last, moved)
     for moved in _merged(forward, first=0):
-        yield Plan(moved, backward)
+        yield plan.with_sizes(moved, backward)
     for moved in _merged(backward, first=1):
-        yield Plan(forward, moved)
+        yield plan.with_sizes(forward, moved)
     for moved in _split(forward, first=0):
-        yield Plan(moved, backward)
+        yield plan.with_sizes(moved, backward)
     times = list(backward_times[: plan.num_layers - backward[0]])[::-1]  # top layer first
     for moved in _split(backward, first=1, times=times):
-        yield Plan(forward, moved)
+        yield plan.with_sizes(forward, moved)
 
 
 def _shifted(sizes: tuple[int, ...], first: int) -> Iterator[tuple[int, ...]]:

@@ -8,9 +8,10 @@ the same terms, so what it explains is what it decided.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 from ..core.plan import Plan
+from ..planning.rules import devices_visited
 from ..planning.sim.costs import CostModel
 from .host_settings import (
     DEFAULT_SETTINGS,
@@ -194,6 +195,21 @@ def stage_peaks(costs: CostModel, plan: Plan) -> list[tuple[range, DeviceMemory]
         else:
             gradients, activations = 0, max(layers.activation_bytes[i] for i in r)
         peaks.append((r, DeviceMemory(weights, prefetched, gradients, activations)))
+    return peaks
+
+
+def device_peaks(costs: CostModel, plan: Plan, num_devices: int) -> list[DeviceMemory]:
+    """Each device's peak under ``plan``: the fullest of the stages that land on it (on a
+    placed plan job j always runs on device j mod N), with the biggest of their weights
+    prefetched beside it; a device no stage lands on holds nothing."""
+    stages = stage_peaks(costs, plan)
+    visited = devices_visited(plan, num_devices)
+    peaks = []
+    for device in range(num_devices):
+        own = [peak for (_, peak), on in zip(stages, visited, strict=True) if device in on]
+        prefetched = max((peak.weights for peak in own), default=0)
+        own = [replace(peak, prefetched_weights=prefetched) for peak in own]
+        peaks.append(max(own, key=lambda peak: peak.total, default=DeviceMemory(0, 0, 0, 0)))
     return peaks
 
 

@@ -44,8 +44,8 @@ _ROWS = (
 
 
 def run_model_mode(args: argparse.Namespace, schedules: tuple[str, ...]) -> int:
-    spec = _model_spec(args)
-    work = _workload(args)
+    spec = model_spec_of(args)
+    work = workload_of(args)
     gpu = gpu_preset(args.gpu)
     if args.max_seq_len:
         return _print_longest(args, spec, gpu, work)
@@ -59,13 +59,7 @@ def run_model_mode(args: argparse.Namespace, schedules: tuple[str, ...]) -> int:
         step = predict_preference(spec, gpu, work, args.gpus, args.method, host_ram)
         predictions = [step.prediction()]
     if not args.json:
-        active = f", {spec.active_params / 1e9:.2f}B active" if spec.is_moe else ""
-        lora = f", LoRA rank {args.lora}" if args.lora else ""
-        print(
-            f"{spec.name} ({spec.num_params / 1e9:.2f}B params{active}{lora}) on {args.gpus}x "
-            f"{gpu.name} ({args.precision}), seq {args.seq_len}, "
-            f"batch {batch_text(args.method, args.batch)}"
-        )
+        print(header_line(spec, args, f"{args.gpus}x {gpu.name}"))
         print(_source_line(host_ram, source, args.host_ram))
         print(settings_line(work.settings))
     for prediction in predictions:
@@ -77,6 +71,16 @@ def run_model_mode(args: argparse.Namespace, schedules: tuple[str, ...]) -> int:
         if name != "roundpipe":
             print_skip(name, f"--method {args.method} is priced for roundpipe only", args.json)
     return 0
+
+
+def header_line(spec: ModelSpec, args: argparse.Namespace, box: str) -> str:
+    """What is predicted: the model, the ``box`` of GPUs it runs on and the workload."""
+    active = f", {spec.active_params / 1e9:.2f}B active" if spec.is_moe else ""
+    lora = f", LoRA rank {args.lora}" if args.lora else ""
+    return (
+        f"{spec.name} ({spec.num_params / 1e9:.2f}B params{active}{lora}) on {box} "
+        f"({args.precision}), seq {args.seq_len}, batch {batch_text(args.method, args.batch)}"
+    )
 
 
 def _extras(
@@ -163,7 +167,7 @@ def settings_line(settings: LeanSettings) -> str:
     )
 
 
-def _model_spec(args: argparse.Namespace) -> ModelSpec:
+def model_spec_of(args: argparse.Namespace) -> ModelSpec:
     if not args.config:
         return model_preset(args.model)
     try:
@@ -175,7 +179,7 @@ def _model_spec(args: argparse.Namespace) -> ModelSpec:
     return ModelSpec.from_config(config)
 
 
-def _workload(args: argparse.Namespace) -> Workload:
+def workload_of(args: argparse.Namespace) -> Workload:
     """``--microbatches M`` splits the batch into M microbatches (default: one sequence
     each)."""
     count = args.microbatches or args.batch
@@ -288,11 +292,11 @@ def _print_prediction(
     if p.memory is not None and p.memory.plan is None:
         print(f"{p.schedule:17s} does not fit the GPUs: {p.detail}{longest}")
     else:
-        gpu = _fit_text(p.fits, p.gpu_memory, p.gpu_budget)
+        gpu = fit_text(p.fits, p.gpu_memory, p.gpu_budget)
         host = (
             ""
             if p.host_ram is None or p.host_ram_budget is None
-            else f"  host RAM {_fit_text(p.host_ram_fits, p.host_ram, p.host_ram_budget)}"
+            else f"  host RAM {fit_text(p.host_ram_fits, p.host_ram, p.host_ram_budget)}"
         )
         print(
             f"{p.schedule:17s} {p.tokens_per_s:10.0f} tokens/s  GPU {gpu}{host}{longest}  "
@@ -333,7 +337,7 @@ def print_skip(name: str, reason: str, as_json: bool) -> None:
         print(f"{name:17s} skipped: {reason}")
 
 
-def _fit_text(fits: bool | None, need: int, budget: int | None) -> str:
+def fit_text(fits: bool | None, need: int, budget: int | None) -> str:
     if budget is None:
         return f"needs {_gib(need, 1)} GiB"
     verdict = "fits" if fits else "does not fit"

@@ -50,6 +50,7 @@ __all__ = [
     "host_round_time",
     "model_preset",
     "predict",
+    "roundpipe_speed",
 ]
 
 
@@ -130,16 +131,7 @@ def _roundpipe(
         return Prediction.of_roundpipe(
             memory, tokens_per_s=0.0, iteration_time=0.0, detail=memory.no_plan, max_seq_len=longest
         )
-    sim_microbatches = work.round_microbatches(num_gpus)
-    sim_time = _round_time(memory.plan, costs, work, num_gpus, sim_microbatches)
-    host_time = host_round_time(model, work, num_gpus, sim_microbatches)
-    detail = f"plan {memory.plan}, rounds of {sim_microbatches} microbatches"
-    if work.step == "sync":
-        detail += ", synchronous steps (each batch's last round stands alone)"
-    if host_time > sim_time:
-        detail += f", host-memory bound ({sim_time:.2f} s simulated, {host_time:.2f} s host)"
-        sim_time = host_time
-    tokens_per_s = sim_microbatches * work.tokens_per_microbatch / sim_time
+    tokens_per_s, detail = roundpipe_speed(memory.plan, model, costs, work, num_gpus)
     return Prediction.of_roundpipe(
         memory,
         tokens_per_s=tokens_per_s,
@@ -147,6 +139,23 @@ def _roundpipe(
         detail=detail,
         max_seq_len=longest,
     )
+
+
+def roundpipe_speed(
+    plan: Plan, model: PricedModel, costs: CostModel, work: Workload, num_gpus: int
+) -> tuple[float, str]:
+    """RoundPipe's tokens/s with ``plan`` (the simulated round, or the host memory's time
+    for it when that is longer), and a detail saying how it was found."""
+    sim_microbatches = work.round_microbatches(num_gpus)
+    sim_time = _round_time(plan, costs, work, num_gpus, sim_microbatches)
+    host_time = host_round_time(model, work, num_gpus, sim_microbatches)
+    detail = f"plan {plan}, rounds of {sim_microbatches} microbatches"
+    if work.step == "sync":
+        detail += ", synchronous steps (each batch's last round stands alone)"
+    if host_time > sim_time:
+        detail += f", host-memory bound ({sim_time:.2f} s simulated, {host_time:.2f} s host)"
+        sim_time = host_time
+    return sim_microbatches * work.tokens_per_microbatch / sim_time, detail
 
 
 def _round_time(

@@ -21,6 +21,13 @@ from ..planning.sim.result import SimResult
 from ..planning.sim.roundpipe_schedule import simulate_roundpipe
 from .gpus import GPU_PRESETS, PCIE_BANDWIDTH, PRECISIONS
 from .host_settings import MASTER_WEIGHTS, OPTIMIZER_STATES, QUANTIZE
+from .mixed_pool import (
+    DEFAULT_GPU,
+    check_mixed_options,
+    gpus_option,
+    resolve_pool,
+    run_mixed_pool,
+)
 from .model_mode import lean_settings, print_skip, run_model_mode
 from .model_specs import MODEL_PRESETS
 from .models import DEFAULT_HOST_BANDWIDTH
@@ -48,6 +55,12 @@ Model-level: --model Qwen3-8B (or --config config.json) with --gpu rtx4090
   --network-gbps G predicts RoundPipe on K such boxes (data parallel), --scaling for
   K = 1, 2, 4, ... 64. --method dpo|kto prices a preference step (RoundPipe only):
   the policy's forward+backward plus its forward-only reference (and KTO's KL) passes.
+
+Mixed pool: --model ... --gpus rtx4090x4,rtx3090x4 prices each kind of card's layers
+  from its own FLOP/s and memory bandwidth, plans every stage for the card that runs it
+  and prints RoundPipe's plan, tokens/s and each device's memory, beside the same pool as
+  if every card were the slowest and beside the sum of each card alone (links at the
+  slowest card's PCIe unless --pcie; no baselines, --nodes, --max-seq-len or --method).
 """
 
 
@@ -62,7 +75,15 @@ def add_simulate_parser(commands: Any) -> argparse.ArgumentParser:
     )
     one_line_usage_errors(sim)
     sim.add_argument("--schedule", choices=(*SCHEDULES, "all"), default="all")
-    sim.add_argument("--gpus", type=int, default=8, help="number of devices N")
+    sim.add_argument(
+        "--gpus",
+        type=gpus_option,
+        default=8,
+        help="number of devices N, or a box of GPU presets NAMExCOUNT (rtx4090x4,rtx3090x4; "
+        "devices 0.. are the first kind's): one kind is --gpu NAME --gpus COUNT; a mixed "
+        "pool needs a model and predicts roundpipe beside the pool as if every card were "
+        "the slowest and beside the sum of each card alone",
+    )
     sim.add_argument("--microbatches", type=int, help="microbatches per iteration M")
     sim.add_argument("--layers", type=int, default=32, help="transformer layers L")
     sim.add_argument("--fwd-ms", type=float, default=1.0, help="layer forward, per microbatch")
@@ -102,7 +123,7 @@ def add_simulate_parser(commands: Any) -> argparse.ArgumentParser:
         type=Path,
         help="a Hugging Face config.json (dense, MoE, MLA, hybrid; a VLM's text model)",
     )
-    model.add_argument("--gpu", default="rtx4090", help=f"preset: {', '.join(GPU_PRESETS)}")
+    model.add_argument("--gpu", help=f"preset: {', '.join(GPU_PRESETS)} (default {DEFAULT_GPU})")
     model.add_argument("--precision", choices=PRECISIONS, default="bf16")
     model.add_argument("--pcie", type=int, choices=sorted(PCIE_BANDWIDTH), help="PCIe generation")
     model.add_argument(
@@ -171,7 +192,11 @@ def add_simulate_parser(commands: Any) -> argparse.ArgumentParser:
 
 def run_simulate(args: argparse.Namespace) -> int:
     """The ``simulate`` subcommand: print every chosen schedule's simulation or prediction."""
+    args, pool = resolve_pool(args)
     _validate(args)
+    if pool is not None:
+        check_mixed_options(args, pool)
+        return run_mixed_pool(args, pool)
     names = SCHEDULES if args.schedule == "all" else (args.schedule,)
     if args.model or args.config:
         return run_model_mode(args, names)

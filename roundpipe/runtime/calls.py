@@ -24,7 +24,7 @@ from torch import nn
 from ..core.config import RoundPipeRunConfig
 from ..core.keys import Activation, InputGrad, Loss, Output
 from ..core.plan import Plan
-from ..core.schedule import lower, lower_unfused
+from ..core.schedule import Schedule, lower, lower_unfused
 from ..devices.base import DevicePool, Slot
 from ..planning.planner import AutoPlanner
 from . import optimizer_guard
@@ -34,6 +34,7 @@ from .inputs import HostBufferPool, own_and_split
 from .layers import LayerBinding, check_layer_list, sequential_layers
 from .lifetime import finalize_unclosed
 from .microbatch import merge_outputs, microbatch_rows, weights_by_rows
+from .mixed_pool import check_recompute_classes, layers_drawing_random
 from .optimizer import NodeSteps
 from .params import ParameterStore, parameter_names
 from .profiler import LayerProfiler
@@ -82,7 +83,9 @@ class Runtime:
         self.pool = pool = make_pool()
         try:
             self.grad_scaler = grad_scaler
-            self.profiler = LayerProfiler.for_modules([layer.module for layer in self.layers])
+            self.profiler = LayerProfiler.for_modules(
+                [layer.module for layer in self.layers], pool.device_classes()
+            )
             pin = functools.partial(pool.pin, mode=pin_model)
             names = parameter_names(names_from)
             self.store = ParameterStore(self.layers, names, optim_dtype, pin)
@@ -149,6 +152,7 @@ class Runtime:
             inputs, labels, owned = own_and_split(self.inputs, config, args, kwargs, label, num)
             weights = self._loss_weights(config, microbatch_rows(inputs))
             schedule = lower(self.plan_for(config), len(self.pool), self._cursor)
+            self._check_recomputes(schedule, config)
             request = self._request(schedule, config, inputs, labels, loss_fn, return_outputs)
             call = self._start(replace(request, loss_weights=weights), owned)
             error = None
@@ -184,6 +188,8 @@ class Runtime:
             inputs, _, owned = own_and_split(self.inputs, config, args, kwargs, None, num)
             plan = self.plan_for(config)
             schedule = lower_unfused(plan, len(self.pool), self._cursor, with_backward=training)
+            if training:
+                self._check_recomputes(schedule, config)
             request = self._request(schedule, config, inputs, None, None, False)
             # A training call's inputs are re-read by its later backward: not recycled.
             call = self._start(request, [] if training else owned)
@@ -229,8 +235,16 @@ class Runtime:
 
     def _start(self, request: CallRequest, owned: list) -> Call:
         loss_scale = self._loss_scale() if request.loss_fn is not None else None
-        self._cursor = request.schedule.next_device
+        self._cursor = request.schedule.next_cursor
         return self.session.start(request, loss_scale, owned)
+
+    def _check_recomputes(self, schedule: Schedule, config: RoundPipeRunConfig) -> None:
+        """On a mixed pool, refuse a call that would recompute a layer drawing random
+        numbers on another kind of card than its forward ran on (unless its recompute
+        draws anew by request, ``preserve_rng_state=False``; docs/design.md#mixed-pools)."""
+        if self.pool.mixed and config.preserve_rng_state:
+            drawing = layers_drawing_random([layer.module for layer in self.layers])
+            check_recompute_classes(schedule, self.pool.device_classes(), drawing)
 
     def _begin(self, trains: bool = True) -> None:
         """Before new work: a usable session, failures reported, the user's changes since

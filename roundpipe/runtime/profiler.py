@@ -1,10 +1,10 @@
 """Per-layer timings and link costs measured while training, smoothed, for the planner.
 
 :class:`LayerProfiler` records each layer's forward and recompute and each stage's
-backward as timed on the device, the link bandwidths from the transfers the runtime
-already does, and the activation bytes at stage boundaries;
-:meth:`LayerProfiler.cost_model` hands them to the partitioner
-(docs/design.md#automatic-planning).
+backward as timed on the device (per device class on a mixed pool:
+:mod:`.class_profiles`), the link bandwidths from the transfers the runtime already
+does, and the activation bytes at stage boundaries; :meth:`LayerProfiler.cost_model`
+hands them to the partitioner (docs/design.md#automatic-planning).
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from torch import nn
 
 from ..devices.base import Device, Timer
 from ..planning.sim.costs import CostModel, LayerCosts
+from .class_profiles import KINDS, ClassProfiles, Times, smoothed
 
 _ESTIMATE_SECONDS_PER_PARAM = 1e-9
 _ESTIMATE_FLOOR_SECONDS = 1e-6
@@ -62,20 +63,26 @@ class TransferTiming:
 
 
 class LayerProfiler:
-    """Exponentially smoothed per-layer forward, recompute and backward seconds."""
+    """Exponentially smoothed per-layer forward, recompute and backward seconds, kept per
+    device class."""
 
     def __init__(
-        self, param_counts: Sequence[int], param_bytes: Sequence[int], smoothing: float = 0.3
+        self,
+        param_counts: Sequence[int],
+        param_bytes: Sequence[int],
+        smoothing: float = 0.3,
+        device_classes: Sequence[str] | None = None,
     ):
+        """``device_classes``: the :attr:`~roundpipe.devices.Device.device_class` of each
+        pool device, by position (None: every device alike)."""
         if not 0 < smoothing <= 1:
             raise ValueError(f"smoothing must be in (0, 1], got {smoothing}")
         self.param_counts = list(param_counts)
         self.param_bytes = list(param_bytes)
         self.smoothing = smoothing
+        self.device_classes = tuple(device_classes or ())
         self._lock = threading.Lock()
-        self._seconds: dict[str, list[float | None]] = {
-            kind: [None] * len(param_counts) for kind in ("forward", "recompute", "backward")
-        }
+        self._profiles = ClassProfiles(self.param_counts, self.device_classes, smoothing)
         self._bandwidth: dict[str, float | None] = dict.fromkeys(LINKS)
         self._boundary_total = 0
         self._boundary_count = 0
@@ -83,32 +90,47 @@ class LayerProfiler:
         self._layer_inputs: list[int | None] = [None] * len(param_counts)
 
     @classmethod
-    def for_modules(cls, modules: Sequence[nn.Module]) -> LayerProfiler:
-        """A profiler whose size-based estimates come from each layer's parameters."""
+    def for_modules(
+        cls, modules: Sequence[nn.Module], device_classes: Sequence[str] | None = None
+    ) -> LayerProfiler:
+        """A profiler whose size-based estimates come from each layer's parameters, for a
+        pool whose devices are of ``device_classes`` (None: every device alike)."""
         counts = [sum(p.numel() for p in m.parameters()) for m in modules]
         sizes = [sum(p.numel() * p.element_size() for p in m.parameters()) for m in modules]
-        return cls(counts, sizes)
+        return cls(counts, sizes, device_classes=device_classes)
 
     @property
     def num_layers(self) -> int:
         return len(self.param_counts)
 
     def measured(self) -> bool:
-        """Whether every layer has a forward and a backward measurement."""
+        """Whether every layer has a forward and a backward measurement (on some class)."""
         with self._lock:
-            return all(v is not None for v in self._seconds["forward"]) and all(
-                v is not None for v in self._seconds["backward"]
+            return all(self._profiles.measured("forward")) and all(
+                self._profiles.measured("backward")
             )
 
-    def record(self, kind: str, layers: Sequence[int], seconds: float) -> None:
-        """Add one measurement of ``kind`` covering ``layers`` (split by forward share)."""
-        if kind not in self._seconds or not layers:
+    def record(
+        self, kind: str, layers: Sequence[int], seconds: float, device: int | None = None
+    ) -> None:
+        """Add one measurement of ``kind`` covering ``layers`` (split by forward share),
+        timed on the pool device at position ``device`` (None: device 0)."""
+        if kind not in KINDS or not layers:
             return
-        shares = self._forward_shares(layers)
         with self._lock:
-            series = self._seconds[kind]
-            for layer, share in zip(layers, shares, strict=True):
-                series[layer] = self._smooth(series[layer], seconds * share)
+            name = self._profiles.class_of(device)
+            for layer, share in zip(layers, self._forward_shares(name, layers), strict=True):
+                self._profiles.add(kind, layer, name, seconds * share)
+
+    def _forward_shares(self, name: str, layers: Sequence[int]) -> list[float]:
+        """Each layer's share of the forward time of ``layers`` on class ``name``; the
+        caller holds the lock."""
+        if len(layers) == 1:  # most measurements: one layer's, nothing to split
+            return [1.0]
+        forward = self._times(name)["forward"]
+        weights = [forward[i] for i in layers]
+        total = sum(weights)
+        return [w / total for w in weights] if total > 0 else [1 / len(layers)] * len(layers)
 
     def record_transfer(self, link: str, nbytes: int, seconds: float) -> None:
         """Add one timed transfer of ``nbytes`` over ``link`` ("h2d" or "d2h")."""
@@ -118,8 +140,7 @@ class LayerProfiler:
             self._bandwidth[link] = self._smooth(self._bandwidth[link], nbytes / seconds)
 
     def _smooth(self, old: float | None, value: float) -> float:
-        """The exponentially smoothed series after ``value`` (the first value as is)."""
-        return value if old is None else old + self.smoothing * (value - old)
+        return smoothed(old, value, self.smoothing)
 
     def record_boundary(self, nbytes: int, layer: int | None = None) -> None:
         """Add one microbatch's activation size seen at a stage boundary (the input of
@@ -160,52 +181,68 @@ class LayerProfiler:
             largest = self._boundary_max
             return tuple(largest if b is None else b for b in self._layer_inputs)
 
-    def _forward_shares(self, layers: Sequence[int]) -> list[float]:
-        forward = self.forward_seconds()
-        weights = [forward[i] for i in layers]
-        total = sum(weights)
-        return [w / total for w in weights] if total > 0 else [1 / len(layers)] * len(layers)
-
     def forward_seconds(self) -> list[float]:
+        """The reference class's forward seconds per layer (measured, else estimated)."""
         with self._lock:
-            return [
-                measured if measured is not None else self._estimate(i)
-                for i, measured in enumerate(self._seconds["forward"])
-            ]
+            return list(self._times(self._profiles.reference)["forward"])
+
+    def _times(self, name: str) -> Times:
+        """Class ``name``'s times per kind; the caller holds the lock."""
+        estimates = [self._estimate(i) for i in range(self.num_layers)]
+        reference = self._profiles.reference_times(estimates)
+        return self._profiles.class_times(name, reference)
 
     def _estimate(self, layer: int) -> float:
         return max(self.param_counts[layer] * _ESTIMATE_SECONDS_PER_PARAM, _ESTIMATE_FLOOR_SECONDS)
 
     def costs(self) -> LayerCosts:
-        """Current per-layer costs: measurements where available, estimates elsewhere."""
-        forward = self.forward_seconds()
+        """Current per-layer costs of the reference class (device 0's): measurements where
+        available, estimates elsewhere."""
         with self._lock:
-            backward = [
-                b if b is not None else 2 * forward[i]
-                for i, b in enumerate(self._seconds["backward"])
-            ]
-            recompute = [
-                r if r is not None else forward[i] for i, r in enumerate(self._seconds["recompute"])
-            ]
+            times = self._times(self._profiles.reference)
+        return self._layer_costs(times)
+
+    def class_costs(self) -> dict[str, LayerCosts]:
+        """Each device class's current per-layer costs: its own measurements, the
+        reference's times its measured relative time elsewhere (:mod:`.class_profiles`)."""
+        with self._lock:
+            times = {name: self._times(name) for name in self._profiles.classes}
+        return {name: self._layer_costs(t) for name, t in times.items()}
+
+    def relative_speeds(self) -> dict[str, float]:
+        """Each device class's measured speed relative to the fastest class (1.0: the
+        fastest; every class is at 1.0 until it and the reference class have measured
+        comparable layers: :meth:`.ClassProfiles.relative_time`); empty when the profiler
+        was built without device classes."""
+        if not self.device_classes:
+            return {}
+        with self._lock:
+            return self._profiles.relative_speeds()
+
+    def _layer_costs(self, times: Times) -> LayerCosts:
         return LayerCosts(
-            forward=tuple(forward),
-            backward=tuple(backward),
+            forward=times["forward"],
+            backward=times["backward"],
             param_bytes=tuple(self.param_bytes),
             activation_bytes=self.activation_bytes(),
-            recompute=tuple(recompute),
+            recompute=times["recompute"],
             boundary_bytes=self.boundary_bytes(),
         )
 
     def cost_model(self, weight_chunk_bytes: int | None) -> CostModel:
         """:meth:`costs` with the measured link: an activation hop (device → host →
         device) costs its download plus its upload; weights upload at the measured
-        host→device bandwidth in chunks of ``weight_chunk_bytes``."""
+        host→device bandwidth in chunks of ``weight_chunk_bytes``. On a pool of several
+        device classes, each device runs at its class's :meth:`class_costs`."""
         h2d, d2h = self.bandwidth("h2d"), self.bandwidth("d2h")
         boundary = self.boundary_bytes()
+        by_class = self.class_costs()
+        mixed = len(by_class) > 1
         return CostModel(
-            self.costs(),
+            by_class[self._profiles.reference],
             comm=boundary / d2h + boundary / h2d,
             h2d_bandwidth=h2d,
             d2h_bandwidth=d2h,
             weight_chunk_bytes=weight_chunk_bytes,
+            device_layers=tuple(by_class[c] for c in self.device_classes) if mixed else (),
         )

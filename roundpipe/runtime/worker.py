@@ -197,7 +197,7 @@ class DeviceWorker:
 
         def done() -> None:
             for kind, layers, timer in issuer.compute.timings:
-                profiler.record(kind, layers, timer.seconds())
+                profiler.record(kind, layers, timer.seconds(), job.device)
             for transfer in issuer.transfers:
                 profiler.record_timing(transfer)
             record.let_go(None)

@@ -43,6 +43,7 @@ from .optim import (
     step_without_update,
 )
 from .options import TrainOptions, UsageError, write_run_yaml
+from .pool_report import pool_line, pool_speeds, where_it_runs
 from .preference_run import steps_of
 from .preflight import Prepared
 from .progress import Progress, Silent, StepReport, open_progress
@@ -124,6 +125,7 @@ class Run:
         self.trackers = Trackers([])
         self.saved_step: int | None = None
         """The step of the newest checkpoint on disk (None: none yet)."""
+        self.step_config = None  # the last step's run config (None: before any step)
         self.method = steps_of(prepared, self.ranks)  # what a step computes; evaluations
 
     def say(self, text: str) -> None:
@@ -154,6 +156,8 @@ class Run:
                 position, stopped = start, 0
             else:
                 position, stopped = self._train_steps(start)
+                for line in pool_speeds(pipe, self.step_config):
+                    self.say(line)
             if stopped:
                 self.say(f"interrupted: checkpoint of step {position.step} written; continue "
                          "with --resume")  # fmt: skip
@@ -162,10 +166,7 @@ class Run:
         return Outcome(position.step)
 
     def _train_steps(self, start: Position) -> tuple[Position, int]:
-        o = self.options
-        where = o.devices
-        if self.ranks.world > 1:
-            where = f"{self.ranks.world} processes ({o.devices} each)"
+        o, where = self.options, where_it_runs(self.options.devices, self.ranks.world)
         trainable = sum(p.numel() for p in self.pipe.hf_model.parameters() if p.requires_grad)
         self.say(
             f"training {'all weights' if o.full else 'a LoRA adapter'} of {self._model_name()} "
@@ -173,6 +174,7 @@ class Run:
             f"{o.precision}{lean_note(o)}{tiling_note(self.pipe)}, "
             f"steps {start.step + 1}-{self.total}"
         )
+        self.say(pool_line(self.pipe.pool))
         self.progress = (
             open_progress(self.total, start.step, self.stream) if self.main else Silent()
         )
@@ -293,6 +295,7 @@ class Run:
         batch = batches.batch(index)
         rows = batch["input_ids"].shape[0]
         config = step_run_config(self.pipe.run_config, len(self.pipe.pool), rows, self.ranks.world)
+        self.step_config = config
         pending_loss, shown = self.method.step(self.pipe, index, batch, config)
         self.pipe.step(self.step_fn, is_async=not o.sync)  # queued before the loss is read
         loss = float(pending_loss)

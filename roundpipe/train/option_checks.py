@@ -36,7 +36,15 @@ LORA_ONLY = ("quantize",)
 """Options of a LoRA run's frozen base: ``--full`` trains (so keeps) every weight."""
 CHOICES = {"precision": PRECISIONS, "schedule": SCHEDULES, "optimizer_states": OPTIMIZER_STATES,
            "master_weights": MASTER_WEIGHTS, "quantize": QUANTIZATIONS}  # fmt: skip
-DEVICE_SPEC = re.compile(r"cuda(:\d+(,\d+)*)?|emulated:[1-9]\d*")
+_SPEED = r"(\d+(\.\d*)?|\.\d+)"
+DEVICE_SPEC = re.compile(rf"cuda(:\d+(,\d+)*)?|emulated:[1-9]\d*(@{_SPEED}(,{_SPEED})*)?")
+"""``--devices``: GPUs, or emulated devices with one speed for all or one per device (how
+many speeds, and their values: :func:`_check_devices`)."""
+DEVICE_FORMS = (
+    "'cuda' (all GPUs), 'cuda:0,1' (GPU indices), 'emulated:N' (N devices on the CPU), "
+    "'emulated:N@S' (all at speed S) or 'emulated:N@S1,...,SN' (one speed per device, "
+    "e.g. 'emulated:4@1,1,0.5,0.5')"
+)
 
 
 def check(options: TrainOptions, given: set[str]) -> None:
@@ -78,8 +86,7 @@ def check(options: TrainOptions, given: set[str]) -> None:
             f"--microbatches {o.microbatches} exceeds --batch-size {o.batch_size}: each "
             "microbatch needs at least one sequence"
         )
-    if o.devices is not None and not DEVICE_SPEC.fullmatch(o.devices.replace(" ", "")):
-        raise UsageError(f"--devices {o.devices!r}: use 'cuda', 'cuda:0,1' or 'emulated:N'")
+    _check_devices(o.devices)
     for key, allowed in CHOICES.items():
         value = getattr(o, key)
         if value is not None and value not in allowed:
@@ -87,6 +94,22 @@ def check(options: TrainOptions, given: set[str]) -> None:
     if o.warmup_ratio is not None and not 0 <= o.warmup_ratio <= 1:
         raise UsageError(f"--warmup-ratio must be a fraction in [0, 1], got {o.warmup_ratio}")
     check_trackers(o.trackers())
+
+
+def _check_devices(devices: str | None) -> None:
+    """``--devices`` is one of :data:`DEVICE_FORMS`; an emulated pool's speeds are as
+    many as its devices, each above 0 (checked as ``make_pool`` checks them)."""
+    if devices is None:
+        return
+    if not DEVICE_SPEC.fullmatch(devices.replace(" ", "")):
+        raise UsageError(f"--devices {devices!r}: write {DEVICE_FORMS}")
+    if devices.strip().startswith("emulated"):
+        from ..devices import device_count
+
+        try:
+            device_count(devices)
+        except ValueError as error:
+            raise UsageError(f"--devices: {error}") from None
 
 
 def _check_finite(o: TrainOptions) -> None:

@@ -154,7 +154,7 @@ OPTIONS: tuple[Option, ...] = (
         "model without a template",
         _IO,
     ),
-    Option("devices", str, None, "'cuda', 'cuda:0,1' or 'emulated:N' (default: cuda if any)", _RUN),
+    Option("devices", str, None, "'cuda', 'cuda:0,1', 'emulated:N[@speeds]' (default: cuda)", _RUN),
     Option(
         "precision",
         str,

@@ -21,7 +21,8 @@ def test_the_dry_run_takes_or_skips_every_step_and_tables_them(tmp_path):
     table = done.stdout.split("=== summary")[1].splitlines()[2:]
     rows = {line.split()[0]: line.split()[1] for line in table if line.strip()}
     assert rows == {"machine": "-", "versions": "0", "cuda-tests": "0", "race-windows": "-",
-                    "cuda-slice": "-", "nf4": "0", "probe": "-", "long-context": "-"}  # fmt: skip
+                    "cuda-slice": "-", "nf4": "0", "probe": "-", "long-context": "-",
+                    "mixed-pool": "0"}  # fmt: skip
     logs = {p.stem for p in (tmp_path / "out").glob("*.log")}
     assert logs == set(rows)
     assert "skipped: no GPU" in (tmp_path / "out" / "machine.log").read_text()

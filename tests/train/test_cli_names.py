@@ -163,7 +163,9 @@ def usage_error(capsys, *args: str) -> list[str]:
         (["export", "--checkpoint", "c"], "the following arguments are required: --output"),
         (["export", "--nonsense", "1", "--checkpoint", "c", "--output", "o"],
          "unrecognized arguments: --nonsense 1"),
-        (["simulate", "--gpus", "x"], "argument --gpus: invalid int value: 'x'"),
+        (["simulate", "--gpus", "x"], "argument --gpus: unknown GPU preset 'x'; known presets: "
+         "rtx3090, rtx4090, rtx5090, a800, h100, h200 (write a count N or NAMExCOUNT, e.g. "
+         "rtx4090x4,rtx3090x4)"),
     ],
 )  # fmt: skip
 def test_a_usage_error_is_one_line_and_the_help_hint(capsys, args, error):

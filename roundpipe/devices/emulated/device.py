@@ -4,11 +4,16 @@ The device wires its parts together (an executor, four streams, two copy engines
 memory) from plain values, so none of them refers back to it; what the emulator
 models and where it is never kinder than a GPU is in ``docs/design.md``, "Emulated
 backend". Threads start on first use, never at import.
+
+Devices may differ: each has a speed (``EmulatedOptions.speeds``) dividing its
+modelled kernel time, and devices of one speed form a device class whose dropout masks
+differ from other classes' (``random.class_seed``), as masks differ between GPU models.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -31,11 +36,15 @@ from ..host_blocks import DEFAULT_CACHE_BYTES, HostBlockPool
 from .executor import DeviceExecutor, SpanSink
 from .link import CopyEngine, HostBus, Tickets, sleep_until
 from .memory import ComputeAllocations, DeviceMemory
-from .random import seeded
+from .random import class_seed, seeded
 from .stream import RUNNING, EmulatedStream, HostEvent, StreamContext, WallClockTimer
 
 _PINNED_ATTR = "roundpipe_pinned"
 """Set on the storage of a host tensor the emulator treats as page-locked."""
+
+DEFAULT_CLASS = "emulated"
+"""The device class of emulated devices at speed 1.0 (they draw as after
+``torch.manual_seed``)."""
 
 
 @dataclass(frozen=True)
@@ -45,6 +54,11 @@ class EmulatedOptions:
     capacity_bytes: int | tuple[int, ...] | None = None
     """Device memory per device (one number for all, or one per device, so pools of
     different sizes can be modelled); ``None`` is unlimited."""
+    speeds: float | tuple[float, ...] = 1.0
+    """Relative compute speed per device (one number for all, or one per device): a device
+    at speed ``s`` takes ``kernel_time(info) / s``. Devices of one speed are one device
+    class; a class other than speed 1.0 draws other dropout masks (docs/design.md,
+    "Emulated backend")."""
     h2d_gbps: float | None = None
     """Host→device bandwidth per device in GB/s (one FIFO copy engine); ``None`` is
     instant."""
@@ -76,6 +90,11 @@ class EmulatedDevice(Device):
         self.pool = pool
         self.index = index
         self.options = options
+        self.speed: float = speed_of(options.speeds, index)
+        """Relative compute speed: modelled kernel times are divided by it."""
+        self._device_class = (
+            DEFAULT_CLASS if self.speed == 1.0 else f"{DEFAULT_CLASS}@{self.speed:g}x"
+        )
         self.torch_device = torch.device("cpu")
         self.h2d = CopyEngine(options.h2d_gbps, pool.host_bus)
         self.d2h = CopyEngine(options.d2h_gbps, pool.host_bus)
@@ -101,6 +120,11 @@ class EmulatedDevice(Device):
 
     def __repr__(self) -> str:
         return f"emulated:{self.index}"
+
+    @property
+    def device_class(self) -> str:
+        """``"emulated"`` at speed 1.0, else e.g. ``"emulated@0.5x"``."""
+        return self._device_class
 
     def empty_like(self, host: torch.Tensor) -> torch.Tensor:
         return self.memory.allocate(host, RUNNING.stream)
@@ -165,9 +189,10 @@ class EmulatedDevice(Device):
         return WallClockTimer()
 
     def model_kernel_time(self, info: OpInfo) -> None:
-        """Charge the kernels' modelled time to the running op: it ends no earlier."""
+        """Charge the kernels' modelled time, divided by the device's speed, to the
+        running op: it ends no earlier."""
         if self.options.kernel_time is not None:
-            seconds = max(0.0, self.options.kernel_time(info))
+            seconds = max(0.0, self.options.kernel_time(info)) / self.speed
             RUNNING.charged += seconds
             if RUNNING.op is not None:
                 RUNNING.op.cursor += seconds
@@ -179,6 +204,10 @@ class EmulatedDevice(Device):
         return capacity
 
     def random_scope(self, seed: int, module: Any) -> contextlib.AbstractContextManager[None]:
+        # Masks depend on the kind of card, as on CUDA (the launch grid depends on the GPU
+        # model); the default class draws exactly as after torch.manual_seed(seed).
+        if self._device_class != DEFAULT_CLASS:
+            seed = class_seed(seed, self._device_class)
         return seeded(seed, module)
 
     def get_rng_state(self) -> torch.Tensor:
@@ -210,6 +239,7 @@ class EmulatedDevicePool(DevicePool):
             raise ValueError(
                 f"capacity_bytes lists {len(capacity)} capacities for {num_devices} devices"
             )
+        check_speeds(self.options.speeds, num_devices)
         self.tickets = Tickets()
         self.host_bus = HostBus(self.options.host_gbps)
         self.host_blocks = HostBlockPool(
@@ -254,6 +284,31 @@ class EmulatedDevicePool(DevicePool):
             device.memory.closed = True
             device.executor.stop()
         self.host_blocks.close()
+
+
+def check_speeds(speeds: float | tuple[float, ...], num_devices: int) -> None:
+    """Raise ValueError unless ``speeds`` is one speed, or one per device, each finite
+    and above 0."""
+    per_device = isinstance(speeds, (tuple, list))
+    values = tuple(speeds) if isinstance(speeds, (tuple, list)) else (speeds,)
+    if per_device and len(values) != num_devices:
+        raise ValueError(
+            f"speeds lists {len(values)} speeds for {num_devices} devices; give one speed "
+            "for all devices or exactly one per device"
+        )
+    for speed in values:
+        if isinstance(speed, bool) or not isinstance(speed, (int, float)):
+            raise ValueError(f"a device speed must be a number, got {speed!r}")
+        if not (math.isfinite(speed) and speed > 0):
+            raise ValueError(
+                f"a device speed must be finite and above 0 (1.0: full speed, 0.5: half "
+                f"speed), got {speed!r}"
+            )
+
+
+def speed_of(speeds: float | tuple[float, ...], index: int) -> float:
+    """Device ``index``'s speed in ``speeds`` (one for all, or one per device)."""
+    return float(speeds[index] if isinstance(speeds, (tuple, list)) else speeds)
 
 
 def _mark_page_locked(tensor: torch.Tensor) -> None:

@@ -8,11 +8,16 @@ models without dropout is not serialised. Which layers draw is learned: a layer'
 first run in each combination of training flags routes every random operator to a
 generator of its own (a dispatch mode, thread-local) and notes whether any drew
 (docs/design.md#random-numbers).
+
+On CUDA a dropout mask depends on the launch grid, so on the GPU model: the same seed
+draws other masks on another kind of card. Emulated devices model that: a device whose
+class is not the default one (speed 1.0) draws from ``class_seed(seed, its class)``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import threading
 import weakref
 from collections.abc import Iterator
@@ -31,6 +36,13 @@ _draws: weakref.WeakKeyDictionary[nn.Module, dict[tuple[bool, ...], bool]] = (
 )
 """Per layer shell: whether a run with these training flags drew random numbers.
 A shell is made again when its module changes (``Dropout.p`` set), so it is learned anew."""
+
+
+def class_seed(seed: int, device_class: str) -> int:
+    """The seed a device of class ``device_class`` draws from where another class would
+    draw from ``seed``: a 63-bit mix of both, the same on every platform and run."""
+    digest = hashlib.blake2b(f"{seed}@{device_class}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
 
 
 @contextlib.contextmanager

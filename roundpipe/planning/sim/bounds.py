@@ -37,7 +37,9 @@ class PlanBounds:
         """``isolated``: bound one iteration from idle with a synchronous step (the
         makespan objective, :func:`~roundpipe.planning.sim.walk.isolated_time`) instead
         of the steady state; every steady-state bound holds for it too, and it adds the
-        first upload, the last microbatch's way back and the last step."""
+        first upload, the last microbatch's way back and the last step. On a mixed pool
+        every device is bounded as the fastest (:meth:`CostModel.fastest`)."""
+        costs = costs.fastest()
         layers = costs.layers
         self.costs, self.num_devices, self.num_microbatches = costs, num_devices, num_microbatches
         self.round_size, self.is_async = round_size or num_devices, is_async

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 __all__ = ["CostModel", "LayerCosts"]
 
@@ -100,6 +100,17 @@ class LayerCosts:
             size.append(head_bytes)
         return cls(tuple(fwd), tuple(bwd), tuple(size))
 
+    def scaled(self, factor: float) -> LayerCosts:
+        """These costs with every time multiplied by ``factor`` (bytes unchanged)."""
+        if factor == 1:
+            return self
+        return replace(
+            self,
+            forward=tuple(t * factor for t in self.forward),
+            backward=tuple(t * factor for t in self.backward),
+            recompute=tuple(t * factor for t in self.recompute),
+        )
+
     def stage_forward(self, layers: range) -> float:
         return sum(self.forward[i] for i in layers)
 
@@ -136,12 +147,73 @@ class CostModel:
     device_optimizer_ratio: float = 0.0
     weight_chunk_bytes: int | None = 256 * 2**20
     """Weight uploads are cut into chunks of at most this size, as the runtime does."""
+    device_layers: tuple[LayerCosts, ...] = ()
+    """Where the devices differ (a mixed pool): each device's own layer costs, profiled
+    per device class; ``()``: every device runs at ``layers``. Only the times are read
+    from these; bytes are ``layers``' (docs/design.md#mixed-pools)."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "device_layers", tuple(self.device_layers))
+        for costs in self.device_layers:
+            if costs.num_layers != self.layers.num_layers:
+                raise ValueError(
+                    f"a device's layer costs cover {costs.num_layers} layers, but the model "
+                    f"has {self.layers.num_layers}"
+                )
+        first = self.device_layers[0] if self.device_layers else None
+        if first is not None and all(_same_times(c, first) for c in self.device_layers):
+            # devices alike: today's model, at their times
+            alike = replace(
+                self.layers,
+                forward=first.forward,
+                backward=first.backward,
+                recompute=first.recompute,
+            )
+            object.__setattr__(self, "layers", alike)
+            object.__setattr__(self, "device_layers", ())
+
+    @property
+    def mixed(self) -> bool:
+        """Whether the devices differ (the planner then also tries placed plans:
+        :attr:`roundpipe.core.plan.Plan.placed`)."""
+        return bool(self.device_layers)
+
+    def layers_on(self, device: int) -> LayerCosts:
+        """The layer costs of ``device`` (``layers`` where the devices are equal)."""
+        return self.device_layers[device] if self.device_layers else self.layers
+
+    def with_speeds(self, speeds: Sequence[float]) -> CostModel:
+        """This model on devices of relative ``speeds`` (one per device): device ``d``'s
+        compute times are ``layers``' divided by ``speeds[d]``; equal speeds of 1 give
+        this model unchanged."""
+        if any(not (math.isfinite(s) and s > 0) for s in speeds):
+            raise ValueError(f"device speeds must be finite and > 0, got {list(speeds)}")
+        scaled = {s: self.layers.scaled(1 / s) for s in set(speeds)}
+        return replace(self, device_layers=tuple(scaled[s] for s in speeds))
+
+    def fastest(self) -> CostModel:
+        """Every layer at the fastest device's times, the devices equal: what lower
+        bounds on a mixed pool are computed from (never above the true time)."""
+        if not self.device_layers:
+            return self
+        pick = self.device_layers
+        layers = replace(
+            self.layers,
+            forward=tuple(map(min, zip(*(c.forward for c in pick), strict=True))),
+            backward=tuple(map(min, zip(*(c.backward for c in pick), strict=True))),
+            recompute=tuple(map(min, zip(*(c.recompute for c in pick), strict=True))),
+        )
+        return replace(self, layers=layers, device_layers=())
 
     def upload_time(self, num_bytes: float) -> float:
         return num_bytes / self.h2d_bandwidth
 
     def download_time(self, num_bytes: float) -> float:
         return num_bytes / self.d2h_bandwidth
+
+
+def _same_times(a: LayerCosts, b: LayerCosts) -> bool:
+    return (a.forward, a.backward, a.recompute) == (b.forward, b.backward, b.recompute)
 
 
 def _or_default(values: Sequence, n: int, default, cast) -> tuple:

@@ -36,12 +36,13 @@ run."""
 def round_schedules(
     plan: Plan, num_devices: int, num_rounds: int, first_device: int = 0
 ) -> list[Schedule]:
-    """The lowered schedule of each round, the cursor carried from round to round."""
+    """The lowered schedule of each round, the cursor carried from round to round (a
+    placed plan's every round from device 0)."""
     schedules, cursor = [], first_device
     for _ in range(num_rounds):
         schedule = lower(plan, num_devices, cursor)
         schedules.append(schedule)
-        cursor = schedule.next_device
+        cursor = schedule.next_cursor
     return schedules
 
 

@@ -121,7 +121,7 @@ class Simulation:
             for index, size in enumerate(sizes):
                 schedule = self.config.lower(cursor)
                 self._add_round(schedule, iteration, size, index == 0, index == len(sizes) - 1)
-                cursor = schedule.next_device
+                cursor = schedule.next_cursor
 
     def iteration_ends(self, num_microbatches: int, iterations: int) -> list[float]:
         self.add_iterations(num_microbatches, iterations, 0)
@@ -168,8 +168,10 @@ class Simulation:
 
     def _template(self, job: Job, shape: CallShape) -> _Template:
         """The job's program with durations, built once per stage and round shape (a
-        program does not depend on the device or the job's place in the round)."""
-        cache_key = (job.kind, job.layers, shape)
+        program does not depend on the device or the job's place in the round; its
+        durations do on a mixed pool)."""
+        device = job.device if self.config.costs.mixed else 0
+        cache_key = (job.kind, job.layers, shape, device)
         template = self._templates.get(cache_key)
         if template is None:
             chunks = self._chunks(job)
@@ -270,7 +272,7 @@ class Simulation:
 
     def _duration(self, op: DeviceOp, job: Job, chunks: list[int]) -> float:
         costs = self.config.costs
-        layers = costs.layers
+        layers = costs.layers_on(job.device)
         if op.kind is OpKind.UPLOAD_WEIGHTS:
             assert op.chunk is not None
             return costs.upload_time(chunks[op.chunk])

@@ -116,6 +116,11 @@ def stages_of(
 
 class _Walk:
     def __init__(self, plan, costs, num_devices, is_async, cache) -> None:
+        if costs.mixed or plan.placed:
+            raise Undecided(
+                "devices of different speeds, or a placed plan: the walk times "
+                "jobs alike and moves the cursor on"
+            )
         self.stages, self.num_forward, self.overlaps = stages_of(plan, costs, cache)
         self.comm = costs.comm
         self.n = n = num_devices
