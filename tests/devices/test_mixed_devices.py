@@ -190,3 +190,28 @@ def test_masks_of_a_class_depend_on_the_seed_reproducibly(pools):
     other_seed = dropout_masks(pool.devices[0], SEED + 1, layer)
     assert torch.equal(first, again)
     assert not torch.equal(first, other_seed)
+
+
+def test_cuda_workers_on_one_gpu_share_its_memory_and_class(monkeypatch):
+    """``cuda:0,0,1``: the two workers of GPU 0 plan with half its usable memory each,
+    the worker of GPU 1 with all of its; each reports its GPU's model as its class. (On
+    the CPU: the device objects are made without streams, the properties faked.)"""
+    from types import SimpleNamespace
+
+    from roundpipe.devices.cuda import CudaDevice, CudaDevicePool
+
+    cards = {0: SimpleNamespace(total_memory=24 << 30, name="NVIDIA GeForce RTX 4090"),
+             1: SimpleNamespace(total_memory=24 << 30, name="NVIDIA GeForce RTX 3090")}  # fmt: skip
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: cards[index])
+    pool = object.__new__(CudaDevicePool)
+    pool.headroom_bytes, pool.headroom_fraction = 1 << 30, 0.08
+    devices = []
+    for position, index in enumerate((0, 0, 1)):
+        device = object.__new__(CudaDevice)
+        device.pool, device.index, device.position = pool, index, position
+        devices.append(device)
+    pool.devices = devices
+    usable = int((24 << 30) * 0.92) - (1 << 30)
+    assert [d.memory_capacity() for d in devices] == [usable // 2, usable // 2, usable]
+    assert pool.device_classes() == [cards[0].name, cards[0].name, cards[1].name]
+    assert pool.mixed

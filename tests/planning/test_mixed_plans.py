@@ -7,15 +7,20 @@ exactly as before, and the bounds the search prunes by stay below every simulate
 
 from __future__ import annotations
 
+import random
+from dataclasses import replace
+
 import pytest
 
 from roundpipe.core.plan import Plan
 from roundpipe.core.schedule import lower
 from roundpipe.planning.partition import auto_plan, fits, predict_iteration_time
 from roundpipe.planning.planner import devices_moved
-from roundpipe.planning.rules import devices_visited
+from roundpipe.planning.rules import devices_visited, equal_size
 from roundpipe.planning.sim import CostModel, LayerCosts, simulate_roundpipe
 from roundpipe.planning.sim.bounds import PlanBounds
+from roundpipe.planning.sim.rounds import Config, Simulation
+from roundpipe.planning.sim.walk import Undecided, iteration_ends
 
 
 def _costs(layers: int = 24, head: float = 4e-3, **kwargs) -> CostModel:
@@ -130,3 +135,66 @@ def test_the_planner_replans_when_one_class_moved():
     assert not devices_moved(costs, costs, 2)
     assert devices_moved(costs, _costs(6).with_speeds([1.0, 0.25]), 2)
     assert devices_moved(_costs(6), costs, 2)  # the pool turned out mixed
+
+
+def _mixed_case(seed: int):
+    """Random layer costs on 2-8 devices of two or three classes, each class's layers
+    timed on their own (not proportionally), a random rotating plan and round size."""
+    rng = random.Random(seed)
+    n, devices, micro = rng.randint(2, 20), rng.choice([2, 3, 4, 8]), rng.randint(1, 10)
+    forward = [rng.uniform(0.5, 2) for _ in range(n)]
+    base = LayerCosts(
+        tuple(forward),
+        tuple(f * rng.uniform(1.5, 3) for f in forward),
+        tuple(rng.choice([0, rng.randint(1, 10**8)]) for _ in range(n)),
+    )
+    classes = [base.scaled(1.0)]
+    for _ in range(rng.randint(1, 2)):
+        factors = [rng.uniform(1.0, 3.0) for _ in range(n)]
+        classes.append(
+            replace(
+                base,
+                forward=tuple(t * f for t, f in zip(base.forward, factors, strict=True)),
+                backward=tuple(t * f * 1.1 for t, f in zip(base.backward, factors, strict=True)),
+                recompute=tuple(t * f for t, f in zip(base.recompute, factors, strict=True)),
+            )
+        )
+    costs = CostModel(
+        base,
+        comm=rng.choice([0.0, rng.uniform(0, 0.5)]),
+        h2d_bandwidth=rng.choice([1e7, 1e9]),
+        d2h_bandwidth=rng.choice([1e7, 1e9]),
+        optimizer_time=rng.choice([0.0, rng.uniform(0, 20)]),
+        device_layers=tuple(rng.choice(classes) for _ in range(devices)),
+    )
+    fused = rng.randint(1, n - 1)
+    size = rng.randint(1, 4)
+    plan = equal_size(n, fused, size)
+    round_size = rng.randint(1, micro) if rng.random() < 0.5 else micro
+    return plan, costs, devices, micro, round_size, rng.random() < 0.7
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_the_walk_times_each_device_as_the_engine_does(seed):
+    plan, costs, devices, micro, round_size, is_async = _mixed_case(seed)
+    config = Config(plan, costs, devices, round_size, is_async, record=False)
+    expected = Simulation(config).iteration_ends(micro, 7)[:-1]
+    try:
+        walked = iteration_ends(
+            plan, costs, devices, micro, 6, round_size=round_size, is_async=is_async
+        )
+    except Undecided:
+        return  # the caller replays the graph
+    assert walked == expected  # the same floats
+
+
+def test_the_walk_decides_most_mixed_cases():
+    decided = 0
+    for seed in range(60):
+        plan, costs, devices, micro, round_size, is_async = _mixed_case(seed)
+        try:
+            iteration_ends(plan, costs, devices, micro, 6, round_size=round_size, is_async=is_async)
+            decided += 1
+        except Undecided:
+            pass
+    assert decided >= 30

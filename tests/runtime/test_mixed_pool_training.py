@@ -113,15 +113,23 @@ def test_model_x_then_backward_is_checked_too():
         pipe.synchronize()
 
 
-def test_dropout_whose_recompute_stays_on_its_kind_of_device_trains():
+def test_dropout_whose_recompute_stays_on_its_kind_of_device_trains_as_on_an_equal_pool():
     """Jobs 0 and 2 (forward stage 0, backward stage 1 recomputing it) are both on
-    device 0 of a pool of two: the masks agree."""
-    model = dropout_model()
+    device 0 of a pool of two: the masks agree, and the run equals one on an equal pool
+    (which equals PyTorch drawing from the same seeds: test_dropout_determinism.py)."""
     config = RoundPipeRunConfig(num_microbatch=2, execute_plan="2|3,2")
     x, y = batch()
-    with RoundPipe(model, devices="emulated:2@1,0.5", model_run_config=config) as pipe:
-        pipe.forward_backward((x.double(),), label=y.double(), loss_fn=mse_sum)
-        pipe.synchronize()
+    runs = []
+    for devices, drop in (("emulated:2@1,0.5", True), ("emulated:2", True), ("emulated:2", False)):
+        model = dropout_model().train(drop)
+        with RoundPipe(model, devices=devices, model_run_config=config) as pipe:
+            loss = pipe.forward_backward((x.double(),), label=y.double(), loss_fn=mse_sum)
+            pipe.synchronize()
+        runs.append((loss, [p.grad.clone() for p in model.parameters()]))
+    (mixed_loss, mixed_grads), (equal_loss, equal_grads), (undropped_loss, _) = runs
+    assert torch.equal(mixed_loss, equal_loss)
+    assert all(torch.equal(a, b) for a, b in zip(mixed_grads, equal_grads, strict=True))
+    assert not torch.equal(mixed_loss, undropped_loss)  # the masks were drawn
 
 
 def test_without_the_rule_a_mixed_pool_would_give_wrong_gradients(monkeypatch):

@@ -17,6 +17,8 @@ from .costs import CostModel
 from .job_bound import JobCosts, relaxed_isolated_time, relaxed_iteration_ends
 from .rounds import round_sizes
 
+FORWARD, FUSED, BACKWARD = "forward", "fused", "backward"
+
 RELAXED_WARMUP = 3
 RELAXED_MEASURED = 12
 """The job-level relaxation is averaged over 12 iterations after 3 (cycles of 1, 2, 3, 4
@@ -38,7 +40,9 @@ class PlanBounds:
         makespan objective, :func:`~roundpipe.planning.sim.walk.isolated_time`) instead
         of the steady state; every steady-state bound holds for it too, and it adds the
         first upload, the last microbatch's way back and the last step. On a mixed pool
-        every device is bounded as the fastest (:meth:`CostModel.fastest`)."""
+        every device is bounded as the fastest (:meth:`CostModel.fastest`), except for
+        a placed plan's own load on each device."""
+        self.device_costs = costs
         costs = costs.fastest()
         layers = costs.layers
         self.costs, self.num_devices, self.num_microbatches = costs, num_devices, num_microbatches
@@ -87,7 +91,27 @@ class PlanBounds:
         chain = self._chain(stages, fused, hops)
         if self.isolated:
             chain = max(chain, self._isolated_path(plan, stages, fused, hops))
-        return max(self._work[plan.backward[0] - 1], chain)
+        return max(self._work[plan.backward[0] - 1], chain, self._placed_load(plan))
+
+    def _placed_load(self, plan: Plan) -> float:
+        """A placed plan runs job j on device j mod N in every iteration: no iteration is
+        shorter than the compute of the busiest device's jobs, timed on that device."""
+        if not plan.placed:
+            return 0.0
+        loads = [0.0] * self.num_devices
+        jobs = [(FORWARD, r) for r in plan.forward_ranges()]
+        jobs += [(FUSED if k == 0 else BACKWARD, r) for k, r in enumerate(plan.backward_ranges())]
+        for j, (kind, layers) in enumerate(jobs):
+            device = j % self.num_devices
+            costs = self.device_costs.layers_on(device)
+            if kind == FORWARD:
+                seconds = costs.stage_forward(layers)
+            elif kind == FUSED:
+                seconds = costs.stage_forward(layers) + costs.stage_backward(layers)
+            else:
+                seconds = costs.stage_recompute(layers) + costs.stage_backward(layers)
+            loads[device] += seconds
+        return self.num_microbatches * max(loads)
 
     @cached_property
     def _jobs(self) -> JobCosts:
@@ -95,7 +119,10 @@ class PlanBounds:
 
     def tight(self, plan: Plan) -> float:
         """:meth:`of`, and the job-level relaxation's steady state (no long run of ``plan``
-        is faster: each of its iterations ends no later than the simulated one)."""
+        is faster: each of its iterations ends no later than the simulated one). The
+        relaxation moves the cursor on, so a placed plan has only :meth:`of`."""
+        if plan.placed:
+            return self.of(plan)
         if self.isolated:
             relaxed = relaxed_isolated_time(
                 plan,

@@ -163,13 +163,7 @@ class CostModel:
         first = self.device_layers[0] if self.device_layers else None
         if first is not None and all(_same_times(c, first) for c in self.device_layers):
             # devices alike: today's model, at their times
-            alike = replace(
-                self.layers,
-                forward=first.forward,
-                backward=first.backward,
-                recompute=first.recompute,
-            )
-            object.__setattr__(self, "layers", alike)
+            object.__setattr__(self, "layers", self._timed_as(first))
             object.__setattr__(self, "device_layers", ())
 
     @property
@@ -181,6 +175,18 @@ class CostModel:
     def layers_on(self, device: int) -> LayerCosts:
         """The layer costs of ``device`` (``layers`` where the devices are equal)."""
         return self.device_layers[device] if self.device_layers else self.layers
+
+    def on_device(self, device: int) -> CostModel:
+        """This model as ``device`` sees it: its layer times, the devices alike."""
+        if not self.device_layers:
+            return self
+        return replace(self, layers=self._timed_as(self.device_layers[device]), device_layers=())
+
+    def _timed_as(self, costs: LayerCosts) -> LayerCosts:
+        """``layers`` (its bytes) at the times of ``costs``."""
+        return replace(
+            self.layers, forward=costs.forward, backward=costs.backward, recompute=costs.recompute
+        )
 
     def with_speeds(self, speeds: Sequence[float]) -> CostModel:
         """This model on devices of relative ``speeds`` (one per device): device ``d``'s

@@ -116,12 +116,16 @@ def stages_of(
 
 class _Walk:
     def __init__(self, plan, costs, num_devices, is_async, cache) -> None:
-        if costs.mixed or plan.placed:
-            raise Undecided(
-                "devices of different speeds, or a placed plan: the walk times "
-                "jobs alike and moves the cursor on"
-            )
+        if plan.placed:
+            raise Undecided("a placed plan: the walk moves the cursor on from call to call")
         self.stages, self.num_forward, self.overlaps = stages_of(plan, costs, cache)
+        self.device_stages = None  # a mixed pool: each device's jobs at its own costs
+        if costs.mixed:
+            caches = {} if cache is None else cache.setdefault("devices", {})
+            self.device_stages = [
+                stages_of(plan, costs.on_device(d), caches.setdefault(d, {}))[0]
+                for d in range(num_devices)
+            ]
         self.comm = costs.comm
         self.n = n = num_devices
         self.is_async = is_async
@@ -161,6 +165,8 @@ class _Walk:
             produced: dict[tuple[int, int], list[float]] = {}
             end = 0.0
             for p, stage in enumerate(self.stages):
+                if self.device_stages is not None:
+                    stage = self.device_stages[x % self.n][p]
                 if x not in self.released:
                     self._release(x, p, gate, iteration, late=x >= self.n)
                 ahead = p + self.n
