@@ -79,28 +79,35 @@ def measure(
         h2d_gbps=args.h2d_gbps, d2h_gbps=args.d2h_gbps, kernel_time=kernel_time(costs)
     )
     config = RoundPipeRunConfig(num_microbatch=micro, execute_plan=plan)
-    x = torch.randn(micro * args.rows, args.width)
-    y = torch.randn(micro * args.rows, 1)
     with RoundPipe(
         model, devices=f"emulated:{devices}", model_run_config=config, emulated_options=options
     ) as pipe:
-        optimizer = torch.optim.SGD(pipe.optim_parameters(), lr=1e-3)
+        seconds = timed_iterations(pipe, micro, args.warmup, args)
+        return seconds, pipe.pool.spans()
 
-        def update() -> None:
-            optimizer.step()
-            optimizer.zero_grad()
 
-        stamps = []
-        for iteration in range(args.warmup + args.iterations + 1):
-            if iteration == args.warmup:
-                pipe.pool.start_recording()
-            pipe.forward_backward((x,), label=y, loss_fn=nn.functional.mse_loss)
-            stamps.append(time.perf_counter())
-            pipe.step(update)
-        pipe.synchronize()
-        spans = pipe.pool.spans()
-    gaps = [b - a for a, b in zip(stamps[args.warmup :], stamps[args.warmup + 1 :], strict=False)]
-    return statistics.median(gaps), spans
+def timed_iterations(pipe: RoundPipe, micro: int, warmup: int, args: argparse.Namespace) -> float:
+    """Median seconds between successive iterations' losses after ``warmup`` untimed
+    ones (``forward_backward`` of ``micro`` microbatches of ``args.rows`` rows, then an
+    asynchronous SGD ``step``); the timed iterations' ops are recorded."""
+    x = torch.randn(micro * args.rows, args.width)
+    y = torch.randn(micro * args.rows, 1)
+    optimizer = torch.optim.SGD(pipe.optim_parameters(), lr=1e-4)
+
+    def update() -> None:
+        optimizer.step()
+        optimizer.zero_grad()
+
+    stamps = []
+    for iteration in range(warmup + args.iterations + 1):
+        if iteration == warmup:
+            pipe.pool.start_recording()
+        pipe.forward_backward((x,), label=y, loss_fn=nn.functional.mse_loss)
+        stamps.append(time.perf_counter())
+        pipe.step(update)
+    pipe.synchronize()
+    gaps = [b - a for a, b in zip(stamps[warmup:], stamps[warmup + 1 :], strict=False)]
+    return statistics.median(gaps)
 
 
 def span_report(spans: list[SpanRecord], model_time: Callable[[OpInfo], float]) -> None:
