@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from ..cluster import PeerFailure
-from ..errors import one_line_usage_errors
+from ..errors import MixedPoolDropoutError, one_line_usage_errors
 from ..hf.safetensors_io import CheckpointError
 from ..preference import NonFiniteStep
 from .command_line import add_arguments, command_line_of, given_options
@@ -81,6 +81,9 @@ def run_train(args: argparse.Namespace) -> int:
         return _train(command_line_of(args))
     except (UsageError, CheckpointError) as error:  # bad input; a weight found while loading
         args.train_parser.exit(EXIT_USAGE, f"roundpipe train: error: {error}\n")
+    except MixedPoolDropoutError as error:  # dropout the pool's kinds of card cannot recompute
+        hint = "here: --lora-dropout 0 and a model config without dropout, or --devices of one kind"
+        args.train_parser.exit(EXIT_USAGE, f"roundpipe train: error: {error} ({hint})\n")
     except KeyboardInterrupt:
         print("roundpipe train: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED

@@ -63,3 +63,18 @@ def test_a_bad_speed_list_exits_2_naming_the_forms(train_files, tmp_path, capsys
     assert message in err and "'emulated:N@S1,...,SN'" in err
     assert len(err.strip().splitlines()) == 1, err
     assert not (tmp_path / "out").exists()
+
+
+def test_lora_dropout_recomputed_on_another_kind_of_device_exits_2(train_files, tmp_path, capsys):
+    """The adapters' dropout draws in every layer; on a pool of two kinds the first call
+    (plan 2|2,2: forward on device 0, recompute on device 2) recomputes layers on the
+    other kind than their forward's: refused, exit 2."""
+    args = ["--model", train_files["model"], "--data", train_files["text"], "--output",
+            tmp_path / "out", "--seq-len", "32", "--batch-size", "8", "--steps", "3",
+            "--devices", "emulated:3@1,0.5,0.5", "--lora-dropout", "0.1"]  # fmt: skip
+    with pytest.raises(SystemExit) as exit_info:
+        main(["train", *map(str, args)])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "would be recomputed on" in err and "--lora-dropout 0" in err, err
+    assert len(err.strip().splitlines()) == 1, err
