@@ -268,12 +268,12 @@ def _roundpipe_plan(text: str) -> Plan:
     plan = Plan.parse(text)
     if not plan.backward:
         raise PlanError(f"the partition {text!r} has no backward stages")
-    return Plan(plan.forward, (plan.backward[0] + 1, *plan.backward[1:]))
+    return plan.with_sizes(plan.forward, (plan.backward[0] + 1, *plan.backward[1:]))
 
 
 def _cli_partition(plan: Plan) -> str:
     """The inverse of :func:`_roundpipe_plan`: how ``--partition`` would spell ``plan``."""
-    return str(Plan(plan.forward, (plan.backward[0] - 1, *plan.backward[1:])))
+    return str(plan.with_sizes(plan.forward, (plan.backward[0] - 1, *plan.backward[1:])))
 
 
 LIMITS = {"--gpus": 512, "--layers": 512, "--microbatches": 4096, "--round-size": 4096,
