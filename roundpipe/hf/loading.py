@@ -86,9 +86,19 @@ def from_pretrained(
     if lora is not None:
         import peft
 
-        model = peft.get_peft_model(model, lora)
+        with _targets_kept(quantize):
+            model = peft.get_peft_model(model, lora)
         _copy_trainable_views(model)
     return from_hf(model, **options)
+
+
+def _targets_kept(quantize) -> contextlib.AbstractContextManager[None]:
+    """Around peft wrapping a quantized model: the targets resolved on the dense one."""
+    if quantize is None:
+        return contextlib.nullcontext()
+    from .nf4_lora import targets_as_resolved
+
+    return targets_as_resolved()
 
 
 def _check_quantize(quantize, lora) -> None:

@@ -9,8 +9,11 @@ saved keys are those of the unquantized model (docs/design.md#4-bit-bases).
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import threading
 import warnings
+from collections.abc import Iterator
 from typing import cast
 
 import peft
@@ -54,14 +57,59 @@ def check_lora_for_nf4(lora) -> None:
 
 
 def lora_config_for_nf4(lora: peft.LoraConfig, model) -> peft.LoraConfig:
-    """A copy of ``lora`` that wraps :class:`NF4Linear` layers; ``target_modules=
-    "all-linear"`` is resolved on ``model`` before its linears are quantized, to the
-    names peft picks on the unquantized model."""
-    config = copy.copy(lora)
+    """A copy of ``lora`` that wraps :class:`NF4Linear` layers, its targets resolved on
+    ``model`` before its linears are quantized, to what peft picks on the unquantized
+    model: ``target_modules="all-linear"``, and peft's conversion of a mixture of
+    experts' targets to transformers v5 (which tells a dense linear from the stacked
+    experts by ``isinstance(module, nn.Linear)``, which an NF4Linear is not; wrap the
+    quantized model under :func:`targets_as_resolved`)."""
+    config = copy.deepcopy(lora)
     config = cast(peft.LoraConfig, _maybe_include_all_linear_layers(config, model))  # the same
+    conversion = _transformers_conversion()
+    if conversion is not None:
+        conversion.convert_peft_config_for_transformers(
+            config, model=model, conversions=conversion.get_model_conversion_mapping(model)
+        )
     config._custom_modules = dict(lora._custom_modules or {})
     config._register_custom_module({NF4Linear: NF4LoraLinear})
     return config
+
+
+@contextlib.contextmanager
+def targets_as_resolved() -> Iterator[None]:
+    """While peft wraps a quantized model: its targets stay as :func:`lora_config_for_nf4`
+    resolved them on the dense model (peft would convert them again, and drop the dense
+    linears of a mixture of experts, now NF4Linear, as if they were stacked experts)."""
+    conversion = _transformers_conversion()
+    if conversion is None:
+        yield
+        return
+    with _CONVERSION_LOCK:
+        convert = conversion.convert_peft_config_for_transformers
+        conversion.convert_peft_config_for_transformers = _converted_already
+        try:
+            yield
+        finally:
+            conversion.convert_peft_config_for_transformers = convert
+
+
+_CONVERSION_LOCK = threading.Lock()
+
+
+def _converted_already(peft_config, model, conversions) -> None:
+    """peft's conversion, for a config :func:`lora_config_for_nf4` converted already."""
+
+
+def _transformers_conversion():
+    """peft's module converting configs to transformers v5's models (None: a peft
+    without it)."""
+    try:
+        from peft.utils import transformers_weight_conversion
+    except ImportError:
+        return None
+    if not hasattr(transformers_weight_conversion, "convert_peft_config_for_transformers"):
+        return None
+    return transformers_weight_conversion
 
 
 def _check_supported(config) -> None:
