@@ -134,15 +134,48 @@ def test_each_layer_kind_is_read_from_its_config():
     assert [m for m, _ in kinds["gemma3"]].count(FULL_ATTENTION) == 1
 
 
-def test_lora_adapts_the_linear_layers_peft_adapts():
+def _peft_adapts_routed_experts() -> bool:
+    """peft 0.22 and later also adapt a qwen2_moe's routed experts under all-linear
+    (its conversion of MoE targets to transformers v5 targets them as parameters)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        major, minor = (int(part) for part in version("peft").split(".")[:2])
+    except PackageNotFoundError:
+        return False
+    return (major, minor) >= (0, 22)
+
+
+PEFT_ADAPTS_ROUTED_EXPERTS = _peft_adapts_routed_experts()
+
+
+@pytest.mark.parametrize(
+    "model_type",
+    [
+        "qwen3_5",
+        "qwen3_5_moe",
+        "gemma3",
+        "gemma4",
+        pytest.param(
+            "qwen2_moe",
+            marks=pytest.mark.xfail(
+                PEFT_ADAPTS_ROUTED_EXPERTS,
+                reason="the predictor counts peft 0.21's adapters: peft 0.22 adapts the "
+                "routed experts too (docs/design.md#known-gaps)",
+                strict=True,
+            ),
+        ),
+        "phi3",
+    ],
+)
+def test_lora_adapts_the_linear_layers_peft_adapts(model_type):
     """PEFT's all-linear on families whose routed experts it leaves alone."""
     peft = pytest.importorskip("peft")
-    for model_type in ("qwen3_5", "qwen3_5_moe", "gemma3", "gemma4", "qwen2_moe", "phi3"):
-        config, model = _build(model_type)
-        adapted = peft.get_peft_model(model, peft.LoraConfig(r=8, target_modules="all-linear"))
-        named = adapted.named_parameters()
-        want = sum(p.numel() for n, p in named if "lora_" in n and "vision" not in n)
-        assert ModelSpec.from_config(config).lora_params(8) == want, model_type
+    config, model = _build(model_type)
+    adapted = peft.get_peft_model(model, peft.LoraConfig(r=8, target_modules="all-linear"))
+    named = adapted.named_parameters()
+    want = sum(p.numel() for n, p in named if "lora_" in n and "vision" not in n)
+    assert ModelSpec.from_config(config).lora_params(8) == want, model_type
 
 
 # The published config.json entries of three presets (text_config of the composite
