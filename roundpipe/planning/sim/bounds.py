@@ -17,8 +17,6 @@ from .costs import CostModel
 from .job_bound import JobCosts, relaxed_isolated_time, relaxed_iteration_ends
 from .rounds import round_sizes
 
-FORWARD, FUSED, BACKWARD = "forward", "fused", "backward"
-
 RELAXED_WARMUP = 3
 RELAXED_MEASURED = 12
 """The job-level relaxation is averaged over 12 iterations after 3 (cycles of 1, 2, 3, 4
@@ -99,19 +97,17 @@ class PlanBounds:
         if not plan.placed:
             return 0.0
         loads = [0.0] * self.num_devices
-        jobs = [(FORWARD, r) for r in plan.forward_ranges()]
-        jobs += [(FUSED if k == 0 else BACKWARD, r) for k, r in enumerate(plan.backward_ranges())]
-        for j, (kind, layers) in enumerate(jobs):
+        timed = [costs.jobs(plan)[0] for costs in self._device_jobs]  # per device, every job
+        for j in range(len(timed[0])):
             device = j % self.num_devices
-            costs = self.device_costs.layers_on(device)
-            if kind == FORWARD:
-                seconds = costs.stage_forward(layers)
-            elif kind == FUSED:
-                seconds = costs.stage_forward(layers) + costs.stage_backward(layers)
-            else:
-                seconds = costs.stage_recompute(layers) + costs.stage_backward(layers)
-            loads[device] += seconds
+            _, compute, backward, *_ = timed[device][j]
+            loads[device] += compute + backward
         return self.num_microbatches * max(loads)
+
+    @cached_property
+    def _device_jobs(self) -> list[JobCosts]:
+        """Each device's job times (its own layer costs on a mixed pool)."""
+        return [JobCosts(self.device_costs.on_device(d)) for d in range(self.num_devices)]
 
     @cached_property
     def _jobs(self) -> JobCosts:
