@@ -37,6 +37,7 @@ __all__ = [
     "EmulatedOptions",
     "Event",
     "OpInfo",
+    "SPEC_FORMS",
     "Slot",
     "SpanRecord",
     "Stream",
@@ -47,11 +48,12 @@ __all__ = [
 
 _notice_given = False
 
-_SPEC_FORMS = (
+SPEC_FORMS = (
     "'cuda' (all GPUs), 'cuda:0,2' (GPU indices), 'emulated:N' (N virtual devices), "
     "'emulated:N@S' (all at speed S) or 'emulated:N@S1,...,SN' (one speed per device, "
     "each above 0, e.g. 'emulated:4@1,1,0.5,0.5')"
 )
+"""The spec strings a pool is built from, for messages."""
 
 
 def make_pool(
@@ -98,7 +100,7 @@ def _parsed(spec: str) -> tuple[str, Any]:
         return kind, (number, _emulated_speeds(spec, speeds, number) if at else None)
     if kind == "cuda":
         return kind, _cuda_indices(spec, rest if colon else None)
-    raise ValueError(f"unknown device spec {spec!r}: write {_SPEC_FORMS}")
+    raise ValueError(f"unknown device spec {spec!r}: write {SPEC_FORMS}")
 
 
 def _emulated_count(spec: str, count: str | None) -> int:
@@ -110,7 +112,7 @@ def _emulated_count(spec: str, count: str | None) -> int:
     if number is None or number < 1:
         raise ValueError(
             f"bad device spec {spec!r}: an emulated pool needs at least one device; write "
-            f"{_SPEC_FORMS}"
+            f"{SPEC_FORMS}"
         )
     return number
 
@@ -121,7 +123,7 @@ def _emulated_speeds(spec: str, written: str, count: int) -> float | tuple[float
         speeds = tuple(_speed(text) for text in written.split(","))
         check_speeds(speeds if len(speeds) > 1 else speeds[0], count)
     except ValueError as error:
-        raise ValueError(f"bad device spec {spec!r}: {error}; write {_SPEC_FORMS}") from None
+        raise ValueError(f"bad device spec {spec!r}: {error}; write {SPEC_FORMS}") from None
     return speeds if len(speeds) > 1 else speeds[0]
 
 

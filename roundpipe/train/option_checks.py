@@ -40,11 +40,6 @@ _SPEED = r"(\d+(\.\d*)?|\.\d+)"
 DEVICE_SPEC = re.compile(rf"cuda(:\d+(,\d+)*)?|emulated:[1-9]\d*(@{_SPEED}(,{_SPEED})*)?")
 """``--devices``: GPUs, or emulated devices with one speed for all or one per device (how
 many speeds, and their values: :func:`_check_devices`)."""
-DEVICE_FORMS = (
-    "'cuda' (all GPUs), 'cuda:0,1' (GPU indices), 'emulated:N' (N devices on the CPU), "
-    "'emulated:N@S' (all at speed S) or 'emulated:N@S1,...,SN' (one speed per device, "
-    "e.g. 'emulated:4@1,1,0.5,0.5')"
-)
 
 
 def check(options: TrainOptions, given: set[str]) -> None:
@@ -97,15 +92,16 @@ def check(options: TrainOptions, given: set[str]) -> None:
 
 
 def _check_devices(devices: str | None) -> None:
-    """``--devices`` is one of :data:`DEVICE_FORMS`; an emulated pool's speeds are as
-    many as its devices, each above 0 (checked as ``make_pool`` checks them)."""
+    """``--devices`` is one of the device spec forms (``roundpipe.devices.SPEC_FORMS``);
+    an emulated pool's speeds are as many as its devices, each above 0 (checked as
+    ``make_pool`` checks them)."""
     if devices is None:
         return
-    if not DEVICE_SPEC.fullmatch(devices.replace(" ", "")):
-        raise UsageError(f"--devices {devices!r}: write {DEVICE_FORMS}")
-    if devices.strip().startswith("emulated"):
-        from ..devices import device_count
+    from ..devices import SPEC_FORMS, device_count
 
+    if not DEVICE_SPEC.fullmatch(devices.replace(" ", "")):
+        raise UsageError(f"--devices {devices!r}: write {SPEC_FORMS}")
+    if devices.strip().startswith("emulated"):
         try:
             device_count(devices)
         except ValueError as error:
