@@ -31,7 +31,14 @@ import json
 import time
 
 import torch
-from sim_vs_runtime import build_model, cost_model, kernel_time, layer_costs, timed_iterations
+from sim_vs_runtime import (
+    add_model_arguments,
+    build_model,
+    cost_model,
+    kernel_time,
+    layer_costs,
+    timed_iterations,
+)
 from torch import nn
 
 from roundpipe import EmulatedOptions, Plan, RoundPipe, RoundPipeRunConfig
@@ -130,17 +137,7 @@ def parse_args() -> argparse.Namespace:
         default=["1,1,0.5,0.5", "1,1,1,1,0.5,0.5,0.5,0.5"],
         help="device speeds of each pool, comma-separated",
     )
-    parser.add_argument("--layers", type=int, default=24, help="layers before the head")
-    parser.add_argument("--width", type=int, default=256)
-    parser.add_argument("--rows", type=int, default=4, help="samples per microbatch")
-    parser.add_argument("--fwd-ms", type=float, default=4.0, help="modelled forward per layer")
-    parser.add_argument("--bwd-ms", type=float, default=8.0, help="modelled backward per layer")
-    parser.add_argument("--head-fwd-ms", type=float, default=4.0)
-    parser.add_argument("--head-bwd-ms", type=float, default=8.0)
-    parser.add_argument("--h2d-gbps", type=float, default=0.1, help="modelled PCIe, per device")
-    parser.add_argument("--d2h-gbps", type=float, default=0.1)
-    parser.add_argument("--warmup", type=int, default=3, help="untimed iterations")
-    parser.add_argument("--iterations", type=int, default=6, help="timed iterations")
+    add_model_arguments(parser, layers=24, head_ms=(4.0, 8.0))
     parser.add_argument(
         "--auto-warmup", type=int, default=12, help="untimed iterations of the runtime's own plan"
     )

@@ -174,22 +174,31 @@ def compare(devices: int, args: argparse.Namespace) -> None:
         span_report(spans, kernel_time(costs))
 
 
-def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--devices", type=int, nargs="+", default=[4, 8])
-    parser.add_argument("--microbatches", type=int, help="per iteration (default: devices + 1)")
-    parser.add_argument("--layers", type=int, default=12, help="layers before the head")
+def add_model_arguments(
+    parser: argparse.ArgumentParser, layers: int, head_ms: tuple[float, float]
+) -> None:
+    """The timing model's options (what :func:`layer_costs`, :func:`cost_model` and
+    :func:`timed_iterations` read), with ``layers`` before a head of ``head_ms``
+    (forward, backward) by default."""
+    parser.add_argument("--layers", type=int, default=layers, help="layers before the head")
     parser.add_argument("--width", type=int, default=256, help="layer width (sets weight bytes)")
     parser.add_argument("--rows", type=int, default=4, help="samples per microbatch")
     parser.add_argument("--fwd-ms", type=float, default=4.0, help="modelled forward per layer")
     parser.add_argument("--bwd-ms", type=float, default=8.0, help="modelled backward per layer")
-    parser.add_argument("--head-fwd-ms", type=float, default=8.0)
-    parser.add_argument("--head-bwd-ms", type=float, default=16.0)
+    parser.add_argument("--head-fwd-ms", type=float, default=head_ms[0])
+    parser.add_argument("--head-bwd-ms", type=float, default=head_ms[1])
     parser.add_argument("--h2d-gbps", type=float, default=0.1, help="modelled PCIe, per device")
     parser.add_argument("--d2h-gbps", type=float, default=0.1)
-    parser.add_argument("--plan", help='pin a plan, e.g. "3,3,3|4,3,3,3" (default: auto_plan)')
     parser.add_argument("--warmup", type=int, default=3, help="untimed iterations")
     parser.add_argument("--iterations", type=int, default=6, help="timed iterations")
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--devices", type=int, nargs="+", default=[4, 8])
+    parser.add_argument("--microbatches", type=int, help="per iteration (default: devices + 1)")
+    add_model_arguments(parser, layers=12, head_ms=(8.0, 16.0))
+    parser.add_argument("--plan", help='pin a plan, e.g. "3,3,3|4,3,3,3" (default: auto_plan)')
     parser.add_argument("--spans", action="store_true", help="per op kind: measured vs modelled")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     parser.add_argument(
