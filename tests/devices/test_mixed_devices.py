@@ -9,7 +9,6 @@ draws exactly as after ``torch.manual_seed`` (docs/design.md, "Emulated backend"
 from __future__ import annotations
 
 import statistics
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -20,15 +19,6 @@ from roundpipe import EmulatedDevicePool, EmulatedOptions, RoundPipe, RoundPipeR
 from roundpipe.devices import OpInfo, Slot, device_count, make_pool
 
 SEED = 20240607
-
-
-@pytest.fixture
-def pools() -> Iterator[list[EmulatedDevicePool]]:
-    """Pools the test makes are appended here and closed after it."""
-    made: list[EmulatedDevicePool] = []
-    yield made
-    for pool in made:
-        pool.close()
 
 
 @pytest.mark.parametrize(
@@ -46,20 +36,20 @@ def test_bad_speeds_are_refused_when_the_pool_is_made(speeds, message):
         EmulatedDevicePool(3, EmulatedOptions(speeds=speeds))
 
 
-def test_one_speed_applies_to_every_device_and_a_tuple_to_each(pools):
-    pools += [EmulatedDevicePool(2, EmulatedOptions(speeds=0.5))]
-    pools += [EmulatedDevicePool(3, EmulatedOptions(speeds=(1.0, 2.0, 0.25)))]
-    assert [device.speed for device in pools[0]] == [0.5, 0.5]
-    assert [device.speed for device in pools[1]] == [1.0, 2.0, 0.25]
+def test_one_speed_applies_to_every_device_and_a_tuple_to_each(harness):
+    harness.pools += [EmulatedDevicePool(2, EmulatedOptions(speeds=0.5))]
+    harness.pools += [EmulatedDevicePool(3, EmulatedOptions(speeds=(1.0, 2.0, 0.25)))]
+    assert [device.speed for device in harness.pools[0]] == [0.5, 0.5]
+    assert [device.speed for device in harness.pools[1]] == [1.0, 2.0, 0.25]
 
 
-def test_device_classes_name_each_speed_and_mixed_says_whether_they_differ(pools):
-    pools += [
+def test_device_classes_name_each_speed_and_mixed_says_whether_they_differ(harness):
+    harness.pools += [
         EmulatedDevicePool(2),
         EmulatedDevicePool(2, EmulatedOptions(speeds=0.5)),
         EmulatedDevicePool(3, EmulatedOptions(speeds=(1.0, 0.5, 2.0))),
     ]
-    equal, slow, mixed = pools
+    equal, slow, mixed = harness.pools
     assert equal.device_classes() == ["emulated", "emulated"] and not equal.mixed
     assert slow.device_classes() == ["emulated@0.5x"] * 2 and not slow.mixed
     assert mixed.device_classes() == ["emulated", "emulated@0.5x", "emulated@2x"]
@@ -75,18 +65,18 @@ def test_device_classes_name_each_speed_and_mixed_says_whether_they_differ(pools
         ("emulated:2", [1.0, 1.0]),
     ],
 )
-def test_a_spec_string_gives_the_speeds(pools, spec, speeds):
+def test_a_spec_string_gives_the_speeds(harness, spec, speeds):
     pool = make_pool(spec)
     assert isinstance(pool, EmulatedDevicePool)
-    pools.append(pool)
+    harness.pools.append(pool)
     assert [device.speed for device in pool] == speeds
     assert device_count(spec) == len(speeds)
 
 
-def test_spec_speeds_are_merged_into_the_given_options(pools):
+def test_spec_speeds_are_merged_into_the_given_options(harness):
     pool = make_pool("emulated:2@1,0.5", EmulatedOptions(capacity_bytes=1 << 20))
     assert isinstance(pool, EmulatedDevicePool)
-    pools.append(pool)
+    harness.pools.append(pool)
     assert pool.options.speeds == (1.0, 0.5)
     assert pool.options.capacity_bytes == 1 << 20
 
@@ -115,7 +105,7 @@ def per_layer_time(info: OpInfo) -> float:
     return 0.03 * len(info.layers)
 
 
-def test_a_device_at_half_speed_takes_twice_the_modelled_kernel_time(pools):
+def test_a_device_at_half_speed_takes_twice_the_modelled_kernel_time():
     """Four equal layers, one layer per forward and backward stage but the fused one, on
     devices at speeds 1 and 0.5: the one-layer compute ops (forward, recompute,
     backward; 30 ms modelled each at speed 1) last about twice as long on device 1."""
@@ -157,9 +147,9 @@ def dropout_masks(device, seed: int, layer: nn.Module) -> torch.Tensor:
     return result.take()
 
 
-def test_devices_of_one_class_draw_the_same_masks_and_other_classes_other_ones(pools):
+def test_devices_of_one_class_draw_the_same_masks_and_other_classes_other_ones(harness):
     pool = make_pool("emulated:5@1,1,0.5,0.5,0.25")
-    pools.append(pool)
+    harness.pools.append(pool)
     layer = nn.Dropout(0.5)
     masks = [dropout_masks(device, SEED, layer) for device in pool]
     assert torch.equal(masks[0], masks[1])
@@ -169,9 +159,9 @@ def test_devices_of_one_class_draw_the_same_masks_and_other_classes_other_ones(p
     assert not torch.equal(masks[0], masks[4])
 
 
-def test_the_default_class_draws_as_after_torch_manual_seed(pools):
+def test_the_default_class_draws_as_after_torch_manual_seed(harness):
     pool = make_pool("emulated:2@1,0.5")
-    pools.append(pool)
+    harness.pools.append(pool)
     layer = nn.Dropout(0.5)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(SEED)
@@ -182,9 +172,9 @@ def test_the_default_class_draws_as_after_torch_manual_seed(pools):
     assert not torch.equal(dropout_masks(pool.devices[1], SEED, layer), want)
 
 
-def test_masks_of_a_class_depend_on_the_seed_reproducibly(pools):
+def test_masks_of_a_class_depend_on_the_seed_reproducibly(harness):
     pool = make_pool("emulated:1@0.5")
-    pools.append(pool)
+    harness.pools.append(pool)
     layer = nn.Dropout(0.5)
     first, again = (dropout_masks(pool.devices[0], SEED, layer) for _ in range(2))
     other_seed = dropout_masks(pool.devices[0], SEED + 1, layer)
