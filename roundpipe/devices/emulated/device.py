@@ -17,7 +17,7 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -41,6 +41,8 @@ from .stream import RUNNING, EmulatedStream, HostEvent, StreamContext, WallClock
 
 _PINNED_ATTR = "roundpipe_pinned"
 """Set on the storage of a host tensor the emulator treats as page-locked."""
+
+T = TypeVar("T")
 
 DEFAULT_CLASS = "emulated"
 """The device class of emulated devices at speed 1.0 (they draw as after
@@ -90,7 +92,7 @@ class EmulatedDevice(Device):
         self.pool = pool
         self.index = index
         self.options = options
-        self.speed: float = speed_of(options.speeds, index)
+        self.speed: float = float(of_device(options.speeds, index))
         """Relative compute speed: modelled kernel times are divided by it."""
         self._device_class = (
             DEFAULT_CLASS if self.speed == 1.0 else f"{DEFAULT_CLASS}@{self.speed:g}x"
@@ -198,10 +200,7 @@ class EmulatedDevice(Device):
                 RUNNING.op.cursor += seconds
 
     def memory_capacity(self) -> int | None:
-        capacity = self.options.capacity_bytes
-        if isinstance(capacity, (tuple, list)):
-            return capacity[self.index]
-        return capacity
+        return of_device(self.options.capacity_bytes, self.index)
 
     def random_scope(self, seed: int, module: Any) -> contextlib.AbstractContextManager[None]:
         # Masks depend on the kind of card, as on CUDA (the launch grid depends on the GPU
@@ -306,9 +305,10 @@ def check_speeds(speeds: float | tuple[float, ...], num_devices: int) -> None:
             )
 
 
-def speed_of(speeds: float | tuple[float, ...], index: int) -> float:
-    """Device ``index``'s speed in ``speeds`` (one for all, or one per device)."""
-    return float(speeds[index] if isinstance(speeds, (tuple, list)) else speeds)
+def of_device(value: T | tuple[T, ...], index: int) -> T:
+    """Device ``index``'s value of an option given once for all devices or one per
+    device (``capacity_bytes``, ``speeds``)."""
+    return value[index] if isinstance(value, (tuple, list)) else value
 
 
 def _mark_page_locked(tensor: torch.Tensor) -> None:
