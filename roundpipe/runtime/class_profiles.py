@@ -15,7 +15,8 @@ around every use.
 from __future__ import annotations
 
 import statistics
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import cast
 
 KINDS = ("forward", "recompute", "backward")
 """The kinds of compute timed per layer."""
@@ -139,6 +140,37 @@ class ClassProfiles:
         ratio = self.relative_time(name)
         own = self._seconds[name]
         return {kind: _filled(own[kind], [r * ratio for r in reference[kind]]) for kind in KINDS}
+
+    def forward_times(
+        self, name: str, layers: Sequence[int], estimate: Callable[[int], float]
+    ) -> list[float]:
+        """Class ``name``'s forward seconds of ``layers``, as :meth:`class_times` of
+        :meth:`reference_times` (``estimate(layer)`` for what nothing measured) gives
+        them, found for these layers only: every measurement of several layers is split
+        by them, so this runs once per such op."""
+        own = self._seconds[name]["forward"]
+        if all(own[i] is not None for i in layers):
+            return [cast(float, own[i]) for i in layers]
+        ratio = 1.0 if name == self.reference else self.relative_time(name)
+        reference = self._seconds[self.reference]["forward"]
+        relative: dict[str, float] | None = None  # the other classes', if needed
+        times = []
+        for i in layers:
+            seconds = own[i]
+            if seconds is None:
+                base = reference[i]
+                if base is None:
+                    if relative is None:
+                        relative = {other: self.relative_time(other) for other in self.classes[1:]}
+                    others = [
+                        measured / other_ratio
+                        for other, other_ratio in relative.items()
+                        if (measured := self._seconds[other]["forward"][i]) is not None
+                    ]
+                    base = statistics.median(others) if others else estimate(i)
+                seconds = base * ratio
+            times.append(seconds)
+        return times
 
     def relative_speeds(self) -> dict[str, float]:
         """Each class's speed relative to the fastest (1.0: the fastest), measured."""

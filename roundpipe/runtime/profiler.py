@@ -127,8 +127,7 @@ class LayerProfiler:
         caller holds the lock."""
         if len(layers) == 1:  # most measurements: one layer's, nothing to split
             return [1.0]
-        forward = self._times(name)["forward"]
-        weights = [forward[i] for i in layers]
+        weights = self._profiles.forward_times(name, layers, self._estimate)
         total = sum(weights)
         return [w / total for w in weights] if total > 0 else [1 / len(layers)] * len(layers)
 

@@ -149,3 +149,28 @@ def test_a_real_mixed_pool_measures_the_slow_class_at_its_speed():
     assert 0.35 <= speeds["emulated@0.5x"] <= 0.7, speeds
     slow, fast = model_costs.layers_on(1), model_costs.layers_on(0)
     assert sum(slow.forward) > 1.4 * sum(fast.forward)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_the_forward_times_a_measurement_is_split_by_are_the_class_costs(seed):
+    """``ClassProfiles.forward_times`` (what splits every multi-layer measurement, found
+    for the op's layers only) equals the class's forward costs at those layers, whatever
+    each class has measured: its own layers, the reference's, or neither."""
+    import random
+
+    rng = random.Random(seed)
+    classes = ["a", "a", "b", "c"][: rng.randint(1, 4)]
+    sizes = [rng.choice([10, 20, 30]) for _ in range(8)]
+    profiler = LayerProfiler(sizes, [4 * s for s in sizes], device_classes=classes)
+    for _ in range(rng.randint(0, 20)):
+        kind = rng.choice(["forward", "recompute", "backward"])
+        profiler.record(
+            kind, [rng.randrange(8)], rng.uniform(0.5, 3) * MS, rng.randrange(len(classes))
+        )
+    profiles = profiler._profiles
+    estimates = [profiler._estimate(i) for i in range(8)]
+    reference = profiles.reference_times(estimates)
+    for name in profiles.classes:
+        layers = sorted(rng.sample(range(8), rng.randint(2, 5)))
+        want = profiles.class_times(name, reference)["forward"]
+        assert profiles.forward_times(name, layers, profiler._estimate) == [want[i] for i in layers]
