@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import copy
 import gc
-import json
 import math
 import os
 import shutil
@@ -22,7 +21,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 from support.children.harness import CHILDREN
-from support.nf4_models import adapter_grads, losses_around_a_checkpoint, set_adapters
+from support.nf4_models import (
+    adapter_config,
+    adapter_grads,
+    losses_around_a_checkpoint,
+    set_adapters,
+)
 
 import roundpipe
 from roundpipe import RoundPipeRunConfig
@@ -340,9 +344,7 @@ def test_the_adapter_loads_with_peft_on_the_unquantized_model(saved, tmp_path, f
         load_file(tmp_path / "nf4_adapter" / "adapter_model.safetensors").keys()
         == load_file(tmp_path / "dense_adapter" / "adapter_model.safetensors").keys()
     )
-    assert json.loads((tmp_path / "nf4_adapter" / "adapter_config.json").read_text()) == (
-        json.loads((tmp_path / "dense_adapter" / "adapter_config.json").read_text())
-    )
+    assert adapter_config(tmp_path / "nf4_adapter") == adapter_config(tmp_path / "dense_adapter")
     base = transformers.AutoModelForCausalLM.from_pretrained(saved / family)
     reloaded = peft.PeftModel.from_pretrained(base, tmp_path / "nf4_adapter")
     loaded = {n: p for n, p in reloaded.named_parameters() if "lora_" in n}

@@ -9,7 +9,6 @@ over the 4-bit base is an ordinary peft adapter of the unquantized model.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 
@@ -18,6 +17,7 @@ import torch
 from safetensors.torch import load_file
 from support.children.harness import CHILDREN
 from support.nf4_models import (
+    adapter_config,
     adapter_grads,
     build_model,
     losses_around_a_checkpoint,
@@ -156,9 +156,7 @@ def test_an_adapter_trained_over_nf4_loads_with_peft_on_the_unquantized_base(
     nf4_saved = load_file(tmp_path / "nf4_adapter" / "adapter_model.safetensors")
     dense_saved = load_file(tmp_path / "dense_adapter" / "adapter_model.safetensors")
     assert nf4_saved.keys() == dense_saved.keys()
-    nf4_config = json.loads((tmp_path / "nf4_adapter" / "adapter_config.json").read_text())
-    dense_config = json.loads((tmp_path / "dense_adapter" / "adapter_config.json").read_text())
-    assert nf4_config == dense_config
+    assert adapter_config(tmp_path / "nf4_adapter") == adapter_config(tmp_path / "dense_adapter")
 
     base = transformers.AutoModelForCausalLM.from_pretrained(saved_models / "llama")
     reloaded = peft.PeftModel.from_pretrained(base, tmp_path / "nf4_adapter")

@@ -9,6 +9,7 @@ quantization, as RoundPipe's format) and wraps it with ``peft.get_peft_model``;
 
 from __future__ import annotations
 
+import json
 import zlib
 
 import torch
@@ -109,3 +110,12 @@ def losses_around_a_checkpoint(open_pipe, checkpoint, batch, load: bool) -> list
         pipe.step(step)
         losses.append(float(pipe.forward_backward(input_kwargs=batch(seed=2))))
     return losses
+
+
+def adapter_config(folder) -> dict:
+    """``folder``'s adapter_config.json, its target_modules as a set: peft writes its set
+    of targets in the set's iteration order, which hangs on the string hash seed."""
+    config = json.loads((folder / "adapter_config.json").read_text())
+    if isinstance(config.get("target_modules"), list):
+        config["target_modules"] = set(config["target_modules"])
+    return config
