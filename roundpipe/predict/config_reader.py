@@ -98,7 +98,8 @@ def spec_fields(config: Mapping) -> dict:
     except KeyError as missing:
         raise ValueError(f"the model config has no {missing} entry") from None
     # a vision-language model takes the general path, whatever its text model
-    return {**fields, "tiled_layers": config.get("model_type") in TILED_MODEL_TYPES}
+    model_type = config.get("model_type") or ""
+    return {**fields, "tiled_layers": model_type in TILED_MODEL_TYPES, "model_type": model_type}
 
 
 def _fields(values: dict, model_type: str) -> dict:

@@ -5,7 +5,7 @@ memory's time per round. :mod:`.models` predicts from these.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..planning.sim.costs import CostModel, LayerCosts
 from .breakdown import SHARDED_HOST_BYTES
@@ -13,6 +13,7 @@ from .gpus import PCIE_BANDWIDTH, Gpu
 from .host_settings import DEFAULT_SETTINGS, LeanSettings
 from .layer_kinds import SLIDING_ATTENTION, LayerShape
 from .model_specs import ModelSpec
+from .peft_targets import NF4_EXPERT_TYPES
 from .unit_costs import HALF, Kernels, UnitCost, embedding_cost, head_cost, layer_cost
 
 ROUND_PER_GPU = 4
@@ -57,6 +58,10 @@ class Workload:
     """Plan by the paper's greedy rule (instant, memory not considered) instead of the
     simulated search (seconds for a large model): for questions of bytes alone, such as
     ``roundpipe train``'s memory check."""
+    lora_experts: bool = True
+    """LoRA adapts the routed experts where peft's ``all-linear`` does (peft 0.22 on the
+    models of :mod:`.peft_targets`); False: the other linears only (the paper's runs;
+    ``--lora-targets`` that name no expert projection)."""
     seq_chunk_tokens: int | None = None
     """Decoder layers' MLPs and norms tiled in chunks of this many tokens, the loss
     chunked as ``roundpipe.hf`` does it (docs/design.md#long-context); ``None``: the
@@ -88,6 +93,8 @@ class PricedModel:
     @classmethod
     def build(cls, spec: ModelSpec, gpu: Gpu, work: Workload, tokens: int) -> PricedModel:
         rank, nf4 = work.lora_rank, work.settings.quantize == "nf4"
+        frozen_experts = nf4 and spec.model_type in NF4_EXPERT_TYPES
+        spec = replace(spec, lora_experts=work.lora_experts and not frozen_experts)
         kernels = Kernels(gpu, work.precision, work.mfu)
         chunk = work.seq_chunk_tokens
         costs: dict[LayerShape, UnitCost] = {}

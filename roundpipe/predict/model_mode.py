@@ -196,6 +196,7 @@ def workload_of(args: argparse.Namespace) -> Workload:
         mfu=args.mfu,
         precision=args.precision,
         lora_rank=args.lora or 0,
+        lora_experts=args.lora_experts,
         host_bandwidth=args.host_bandwidth * 1e9,
         pcie=args.pcie,
         round_size=args.round_size,

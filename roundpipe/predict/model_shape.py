@@ -34,6 +34,7 @@ from .layer_kinds import (
     dense_first,
 )
 from .mixers import Attention, LatentAttention, Linears, Mixer
+from .peft_targets import adapts_routed_experts
 from .recurrent_mixers import GatedDeltaNet, Mamba2, Parallel
 
 
@@ -128,6 +129,12 @@ class ModelSpec:
     mamba_conv_bias: bool = True
     mamba_norm: bool = True
     """A gated RMSNorm on Mamba2's output (Falcon-H1's ``mamba_rms_norm``)."""
+    model_type: str = ""
+    """The config's ``model_type`` (the outer one of a vision-language model): whether
+    LoRA adapts its routed experts (:mod:`.peft_targets`)."""
+    lora_experts: bool = True
+    """LoRA adapts the routed experts where peft's ``all-linear`` does; False: the
+    run's targets leave them (``Workload.lora_experts``)."""
 
     def __post_init__(self) -> None:
         check_kinds(self.layer_types, MIXERS, "layer (token mixer)", self.num_layers)
@@ -186,6 +193,7 @@ class ModelSpec:
                 self.linear_key_head_dim,
                 self.linear_value_head_dim,
                 self.linear_conv_kernel_dim,
+                fused_inputs=self.model_type == "qwen3_next",
             )
         if kind == MAMBA:
             return self._mamba()
@@ -311,7 +319,7 @@ class ModelSpec:
     def adapted_linears(self, layer: LayerShape) -> Linears:
         """The linear layers LoRA adapts (PEFT's ``all-linear``): the mixer's
         projections, a dense MLP's, the shared experts' and their gate (the routed
-        experts' stacked weights keep none, as the paper's runs had it)."""
+        experts' stacked weights: :meth:`expert_adapter_params`)."""
         h, mixer = self.hidden_size, self.mixer(layer.mixer)
         width = self.intermediate_size if layer.ffn == DENSE else 0
         gate = []
@@ -329,9 +337,27 @@ class ModelSpec:
         mlp = [(h, 2 * width), (width, h)] if width else []
         return (qkv, o, *mlp, *gate)
 
+    @property
+    def expert_adapters(self) -> bool:
+        """LoRA adapts the routed experts too (peft 0.22 on a model transformers v5
+        stacked the experts of: :mod:`.peft_targets`)."""
+        return self.is_moe and self.lora_experts and adapts_routed_experts(self.model_type)
+
+    def expert_adapter_params(self, layer: LayerShape, rank: int) -> int:
+        """The adapters on a layer's routed experts and router (0 where LoRA leaves
+        them): each expert's fused gate_up_proj at twice the rank, its down_proj, and
+        the router's weight."""
+        if layer.ffn != MOE or not self.expert_adapters:
+            return 0
+        h, i, experts = self.hidden_size, self.moe_intermediate_size, self.num_experts
+        up = 2 * rank * (h + 2 * i) if self.mlp_gated else rank * (h + i)
+        return experts * (up + rank * (i + h)) + rank * (h + experts)
+
     def lora_params_of(self, layer: LayerShape, rank: int) -> int:
-        """Adapter parameters of one layer: rank x (in + out) per adapted linear."""
-        return rank * sum(a + b for a, b in self.adapted_linears(layer))
+        """Adapter parameters of one layer: rank x (in + out) per adapted linear, and
+        the routed experts' where LoRA adapts them."""
+        linears = rank * sum(a + b for a, b in self.adapted_linears(layer))
+        return linears + self.expert_adapter_params(layer, rank)
 
     def _largest(self, count) -> int:
         return max(count(shape) for shape in dict.fromkeys(self.layer_shapes))

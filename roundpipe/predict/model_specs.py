@@ -55,6 +55,7 @@ NEW_PRESETS = (
         linear_num_value_heads=32,
         **_QWEN35_DELTANET,
         tiled_layers=False,
+        model_type="qwen3_5",
     ),
     ModelSpec(
         "Qwen3.5-27B", 5120, 17408, 64, 24, 4, 256, 248320,  # unsure: the 24 heads
@@ -62,6 +63,7 @@ NEW_PRESETS = (
         linear_num_value_heads=48,  # unsure
         **_QWEN35_DELTANET,
         tiled_layers=False,
+        model_type="qwen3_5",
     ),
     # Qwen/Qwen3.5-35B-A3B (transformers' Qwen3_5MoeTextConfig defaults): all MoE
     ModelSpec(
@@ -76,6 +78,7 @@ NEW_PRESETS = (
         linear_num_value_heads=32,
         **_QWEN35_DELTANET,
         tiled_layers=False,
+        model_type="qwen3_5_moe",
     ),
     # google/gemma-3-27b-pt text_config: 5 sliding (1024) : 1 global, sandwich norms
     ModelSpec(
@@ -86,6 +89,7 @@ NEW_PRESETS = (
         qk_norm=True,
         norms_per_layer=4,
         tiled_layers=False,
+        model_type="gemma3",
     ),
     # google/gemma-4-31B text_config: global layers with 512-wide heads, 4 key heads
     # that are also the values (no v_proj)
@@ -100,11 +104,12 @@ NEW_PRESETS = (
         global_kv_heads=4,  # unsure: num_global_key_value_heads
         attention_k_eq_v=True,
         tiled_layers=False,
+        model_type="gemma4",
     ),
-    ModelSpec("Llama-3.3-70B", 8192, 28672, 80, 64, 8, 128, 128256),
+    ModelSpec("Llama-3.3-70B", 8192, 28672, 80, 64, 8, 128, 128256, model_type="llama"),
     # microsoft/phi-4 (Phi3ForCausalLM: fused qkv and gate_up, the same weights)
     ModelSpec("Phi-4", 5120, 17920, 40, 40, 10, 128, 100352, fused_projections=True,
-              tiled_layers=False),
+              tiled_layers=False, model_type="phi3"),
     # deepseek-ai/DeepSeek-V3: MLA, 3 dense layers, then 256 routed + 1 shared experts
     ModelSpec(
         "DeepSeek-V3", 7168, 18432, 61, 128, 128, 192, 129280,
@@ -119,6 +124,7 @@ NEW_PRESETS = (
         qk_nope_head_dim=128,
         v_head_dim=128,
         tiled_layers=False,
+        model_type="deepseek_v3",
     ),
     # zai-org/GLM-4.5-Air: biases on q, k, v; 1 dense layer, 128 routed + 1 shared
     ModelSpec(
@@ -130,17 +136,23 @@ NEW_PRESETS = (
         n_shared_experts=1,
         qkv_bias=True,
         tiled_layers=False,
+        model_type="glm4_moe",
     ),
     # mistralai/Mistral-Small-3.2-24B-Instruct-2506 text_config
-    ModelSpec("Mistral-Small-3.2-24B", 5120, 32768, 40, 32, 8, 128, 131072, tiled_layers=False),
+    ModelSpec("Mistral-Small-3.2-24B", 5120, 32768, 40, 32, 8, 128, 131072, tiled_layers=False,
+              model_type="mistral3"),
 )  # fmt: skip
 
 MODEL_PRESETS: dict[str, ModelSpec] = {
     spec.name.lower(): spec
     for spec in (
-        ModelSpec("Qwen3-1.7B", 2048, 6144, 28, 16, 8, 128, 151936, True, qk_norm=True),
-        ModelSpec("Qwen3-8B", 4096, 12288, 36, 32, 8, 128, 151936, qk_norm=True),
-        ModelSpec("Llama-3.1-8B", 4096, 14336, 32, 32, 8, 128, 128256),
+        ModelSpec(
+            "Qwen3-1.7B", 2048, 6144, 28, 16, 8, 128, 151936, True, qk_norm=True, model_type="qwen3"
+        ),
+        ModelSpec(
+            "Qwen3-8B", 4096, 12288, 36, 32, 8, 128, 151936, qk_norm=True, model_type="qwen3"
+        ),
+        ModelSpec("Llama-3.1-8B", 4096, 14336, 32, 32, 8, 128, 128256, model_type="llama"),
         ModelSpec(
             "gpt-oss-20b",
             2880,
@@ -157,8 +169,11 @@ MODEL_PRESETS: dict[str, ModelSpec] = {
             window_layers=12,
             biases=True,
             sinks=True,
+            model_type="gpt_oss",
         ),
-        ModelSpec("Qwen3-32B", 5120, 25600, 64, 64, 8, 128, 151936, qk_norm=True),
+        ModelSpec(
+            "Qwen3-32B", 5120, 25600, 64, 64, 8, 128, 151936, qk_norm=True, model_type="qwen3"
+        ),
         ModelSpec(
             "Qwen3-30B-A3B",
             2048,
@@ -172,6 +187,7 @@ MODEL_PRESETS: dict[str, ModelSpec] = {
             experts_per_token=8,
             moe_intermediate_size=768,
             qk_norm=True,
+            model_type="qwen3_moe",
         ),
         ModelSpec(
             "Qwen3-235B-A22B",
@@ -186,6 +202,7 @@ MODEL_PRESETS: dict[str, ModelSpec] = {
             experts_per_token=8,
             moe_intermediate_size=1536,
             qk_norm=True,
+            model_type="qwen3_moe",
         ),
         *NEW_PRESETS,
     )

@@ -56,6 +56,9 @@ class GatedDeltaNet(Mixer):
     key_dim: int
     value_dim: int
     conv_kernel: int
+    fused_inputs: bool = False
+    """Qwen3-Next's in_proj_qkvz and in_proj_ba (Qwen3.5 splits them): LoRA adapts
+    each as one linear."""
 
     @property
     def keys(self) -> int:
@@ -82,6 +85,13 @@ class GatedDeltaNet(Mixer):
     def linears(self) -> Linears:
         h, nv = self.hidden, self.value_heads
         return ((h, self.conv_width), (h, self.values), (h, nv), (h, nv), (self.values, h))
+
+    @property
+    def adapted(self) -> Linears:
+        if not self.fused_inputs:
+            return self.linears
+        h, values = self.hidden, self.values
+        return ((h, self.conv_width + values), (h, 2 * self.value_heads), (values, h))
 
     @property
     def params(self) -> int:

@@ -139,6 +139,15 @@ def add_simulate_parser(commands: Any) -> argparse.ArgumentParser:
     model.add_argument("--batch", type=int, default=16, help="sequences per iteration")
     model.add_argument("--lora", type=int, metavar="R", help="train rank-R LoRA adapters only")
     model.add_argument(
+        "--no-lora-experts",
+        dest="lora_experts",
+        action="store_false",
+        help="with --lora: no adapters on the routed experts and router (peft 0.22's "
+        "all-linear adds them to the mixtures of experts transformers v5 stacks, e.g. "
+        "Qwen3-MoE, DeepSeek, GLM; roundpipe train --lora-targets without gate_proj, "
+        "up_proj and down_proj leaves them)",
+    )
+    model.add_argument(
         "--optimizer-states",
         choices=OPTIMIZER_STATES,
         default="fp32",

@@ -35,6 +35,7 @@ from ..predict.lean_fit import lean_fit
 from ..predict.model_specs import ModelSpec
 from ..predict.models import Workload, memory_fit
 from ..predict.nearest import nearest_fit
+from ..predict.peft_targets import targets_reach_experts
 from .optim import optimizer_settings
 from .options import TrainOptions
 from .usage import UsageError
@@ -98,6 +99,7 @@ def run_workload(options: TrainOptions, world: int, devices: int) -> Workload:
         # an fp32 run's kernels have no preset rate: its time is not asked, only bytes
         precision="fp16" if fp32 else options.precision,
         lora_rank=0 if options.full else options.lora_r,
+        lora_experts=targets_reach_experts(options.lora_target_modules()),
         round_size=rows,
         optimizer_shards=world,
         settings=LeanSettings(states, masters, quantize),

@@ -374,3 +374,29 @@ def test_loading_a_moe_checkpoint_quantized_stays_within_its_host_memory_bound(t
     added = result["loaded_peak_rss"] - result["baseline_rss"]
     assert added < 1.2 * result["quantized_bytes"] + (160 << 20), result
     assert result["loss"] == result["loss"]  # not NaN
+
+
+@pytest.mark.parametrize("quantize", [None, "nf4"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_predictor_counts_the_adapters_all_linear_trains(saved, family, quantize):
+    """``roundpipe simulate``'s LoRA count is what a run trains: with peft 0.22 a dense
+    Qwen3-MoE's routed experts and router get adapters, an NF4 one's stay frozen."""
+    from roundpipe.predict.gpus import gpu_preset
+    from roundpipe.predict.host_settings import LeanSettings
+    from roundpipe.predict.model_specs import ModelSpec
+    from roundpipe.predict.models import PricedModel, Workload
+
+    lora = peft.LoraConfig(r=4, target_modules="all-linear")
+    pipe = roundpipe.from_pretrained(
+        saved / family,
+        torch_dtype=torch.float32,
+        lora=lora,
+        quantize=quantize,
+        devices="emulated:1",
+    )
+    with pipe:
+        named = pipe.hf_model.named_parameters()
+        trained = sum(p.numel() for n, p in named if "lora_" in n)
+        spec = ModelSpec.from_config(pipe.hf_model.config)
+    work = Workload(64, 1, lora_rank=4, settings=LeanSettings(quantize=quantize))
+    assert PricedModel.build(spec, gpu_preset("rtx4090"), work, 64).trainable == trained

@@ -1,0 +1,115 @@
+"""The routed experts' adapters peft 0.22 adds under all-linear: the model types it
+converts, as the installed peft lists them; what they cost (the folded expert stacks);
+and the count a peft without the conversion makes."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+
+from roundpipe.cli import main
+from roundpipe.predict import peft_targets
+from roundpipe.predict.gpus import gpu_preset
+from roundpipe.predict.layer_kinds import MOE
+from roundpipe.predict.model_specs import model_preset
+from roundpipe.predict.op_bytes import HALF
+from roundpipe.predict.unit_costs import Kernels, _expert_times, layer_cost
+
+
+def test_the_model_types_are_those_the_installed_peft_converts():
+    conversion = pytest.importorskip("peft.utils.transformers_weight_conversion")
+    if not peft_targets.peft_converts_experts():
+        pytest.skip("this peft converts no experts' targets")
+    patterns = conversion._MOE_FUSED_TARGETS.keys()
+    converted = {t for t, p in conversion._MODEL_TO_CONVERSION_PATTERN.items() if p in patterns}
+    assert converted == peft_targets.EXPERT_CONVERSION_TYPES
+
+
+@pytest.fixture
+def converting(monkeypatch):
+    """Price as under a peft that converts (True) or does not (False)."""
+
+    def set_to(value: bool) -> None:
+        monkeypatch.setattr(peft_targets, "peft_converts_experts", lambda: value)
+
+    return set_to
+
+
+def test_qwen3_moe_gets_an_adapter_per_expert_only_where_peft_converts(converting):
+    spec = model_preset("Qwen3-30B-A3B")
+    h, i, experts, rank = 2048, 768, 128, 16
+    converting(False)
+    before = spec.lora_params(rank)
+    assert not spec.expert_adapters
+    converting(True)
+    per_layer = experts * (2 * rank * (h + 2 * i) + rank * (i + h)) + rank * (h + experts)
+    assert spec.expert_adapters
+    assert spec.lora_params(rank) - before == spec.num_layers * per_layer
+    # a model type peft does not convert keeps none
+    assert not replace(spec, model_type="gpt_oss").expert_adapters
+
+
+def test_folded_expert_adapters_cost_two_expert_stacks_and_their_weight_gradient(converting):
+    spec = model_preset("Qwen3-30B-A3B")
+    moe = next(shape for shape in spec.layer_shapes if shape.ffn == MOE)
+    kernels = Kernels(gpu_preset("rtx4090"), "bf16")
+
+    def cost():
+        return layer_cost(spec, kernels, 2048, 2048, None, 16, layer=moe)
+
+    converting(False)
+    plain = cost()
+    converting(True)
+    folded = cost()
+    stack = spec.num_experts * spec.expert_params * HALF
+    assert folded.activation_bytes - plain.activation_bytes == 2 * stack
+    adapters = spec.expert_adapter_params(moe, 16)
+    assert folded.param_bytes - plain.param_bytes == adapters * HALF
+    assert folded.forward > plain.forward
+    # the experts' weight gradient, as a full fine-tune computes it, and more
+    weight_gradient = _expert_times(spec, kernels, 2048, False, moe)[1]
+    weight_gradient -= _expert_times(spec, kernels, 2048, True, moe)[1]
+    assert folded.backward - plain.backward > weight_gradient > 0
+
+
+def _simulate(capsys, *flags: str) -> dict:
+    argv = ["simulate", "--model", "GLM-4.5-Air", "--gpu", "rtx4090", "--json", "--lora", "16"]
+    main([*argv, "--schedule", "roundpipe", "--host-ram", "1024", "--seq-len", "1024", *flags])
+    (row,) = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    return row
+
+
+def test_simulate_prices_the_expert_adapters_unless_told_not_to(converting, capsys):
+    converting(True)
+    with_experts = _simulate(capsys)
+    without = _simulate(capsys, "--no-lora-experts")
+    converting(False)
+    assert _simulate(capsys) == without  # a peft that converts nothing adds none
+    assert without["fits"] and not with_experts["fits"]
+    assert "layer" in with_experts["detail"]  # a layer's folded expert stacks outgrow it
+    assert with_experts["host_ram"]["total"] > without["host_ram"]["total"]
+
+
+def test_the_memory_check_prices_expert_adapters_only_for_targets_that_reach_them():
+    assert peft_targets.targets_reach_experts("all-linear")
+    assert peft_targets.targets_reach_experts(["q_proj", "mlp.down_proj"])
+    assert not peft_targets.targets_reach_experts(["q_proj", "k_proj", "v_proj", "o_proj"])
+    conversion = pytest.importorskip("peft.utils.transformers_weight_conversion")
+    if peft_targets.peft_converts_experts():
+        names = {n for m in conversion._MOE_TARGET_MODULE_MAPPING.values() for n in m}
+        assert names == peft_targets.EXPERT_TARGET_NAMES
+
+
+@pytest.mark.parametrize(
+    ("targets", "experts"), [("all-linear", True), ("q_proj,v_proj", False), ("down_proj", True)]
+)
+def test_roundpipe_train_prices_expert_adapters_as_its_targets_reach_them(targets, experts):
+    pytest.importorskip("yaml")
+    from roundpipe.train.memory_check import run_workload
+    from roundpipe.train.options import resolve
+
+    given = {"model": "m", "data": "d", "output": "o", "seq_len": 512, "lora_targets": targets}
+    options = resolve(given)
+    assert run_workload(options, world=1, devices=1).lora_experts is experts
