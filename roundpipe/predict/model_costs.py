@@ -93,8 +93,7 @@ class PricedModel:
     @classmethod
     def build(cls, spec: ModelSpec, gpu: Gpu, work: Workload, tokens: int) -> PricedModel:
         rank, nf4 = work.lora_rank, work.settings.quantize == "nf4"
-        frozen_experts = nf4 and spec.model_type in NF4_EXPERT_TYPES
-        spec = replace(spec, lora_experts=work.lora_experts and not frozen_experts)
+        spec = adapted_spec(spec, work)
         kernels = Kernels(gpu, work.precision, work.mfu)
         chunk = work.seq_chunk_tokens
         costs: dict[LayerShape, UnitCost] = {}
@@ -117,6 +116,13 @@ class PricedModel:
     @property
     def upload_bytes(self) -> int:
         return sum(u.param_bytes for u in self.units)
+
+
+def adapted_spec(spec: ModelSpec, work: Workload) -> ModelSpec:
+    """``spec`` with the routed experts' adapters as ``work`` trains them: none where
+    ``work.lora_experts`` is False, nor over an NF4 base that quantizes the experts."""
+    frozen_experts = work.settings.quantize == "nf4" and spec.model_type in NF4_EXPERT_TYPES
+    return replace(spec, lora_experts=work.lora_experts and not frozen_experts)
 
 
 def cost_model(

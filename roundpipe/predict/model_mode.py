@@ -20,6 +20,7 @@ from .gpus import GIB, Gpu, gpu_preset
 from .host_memory import installed_ram
 from .host_settings import MASTER_COPY_BYTES, MASTER_GRADIENT_BYTES, MOMENT_BYTES, LeanSettings
 from .lean_fit import HostFit, lean_fit
+from .model_costs import adapted_spec
 from .model_specs import ModelSpec, model_preset
 from .models import Prediction, Workload, max_seq_len, predict
 from .nearest import Suggestion, nearest_fit
@@ -76,7 +77,12 @@ def run_model_mode(args: argparse.Namespace, schedules: tuple[str, ...]) -> int:
 def header_line(spec: ModelSpec, args: argparse.Namespace, box: str) -> str:
     """What is predicted: the model, the ``box`` of GPUs it runs on and the workload."""
     active = f", {spec.active_params / 1e9:.2f}B active" if spec.is_moe else ""
-    lora = f", LoRA rank {args.lora}" if args.lora else ""
+    lora = ""
+    if args.lora:
+        adapted = adapted_spec(spec, workload_of(args))
+        experts = ", the routed experts' too" if adapted.expert_adapters else ""
+        trained = adapted.lora_params(args.lora) / 1e6
+        lora = f", LoRA rank {args.lora}: {trained:.1f}M trained{experts}"
     return (
         f"{spec.name} ({spec.num_params / 1e9:.2f}B params{active}{lora}) on {box} "
         f"({args.precision}), seq {args.seq_len}, batch {batch_text(args.method, args.batch)}"

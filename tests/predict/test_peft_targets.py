@@ -113,3 +113,13 @@ def test_roundpipe_train_prices_expert_adapters_as_its_targets_reach_them(target
     given = {"model": "m", "data": "d", "output": "o", "seq_len": 512, "lora_targets": targets}
     options = resolve(given)
     assert run_workload(options, world=1, devices=1).lora_experts is experts
+
+
+def test_simulate_says_how_many_parameters_lora_trains(converting, capsys):
+    argv = ["simulate", "--model", "Qwen3-30B-A3B", "--gpu", "rtx4090", "--lora", "16"]
+    argv += ["--schedule", "roundpipe", "--host-ram", "1024"]
+    converting(True)
+    main(argv)
+    assert "LoRA rank 16: 996.5M trained, the routed experts' too" in capsys.readouterr().out
+    main([*argv, "--no-lora-experts"])
+    assert "LoRA rank 16: 13.4M trained)" in capsys.readouterr().out
