@@ -3,7 +3,8 @@
 One setting moves at a time, from the user's configuration, in this order (the first
 that fits GPU memory and host RAM is the answer; docs/design.md#nearest-fit):
 
-1. LoRA: a lower rank (halved, down to 1). Full fine-tuning: LoRA, the highest rank of
+1. LoRA: no adapters on the routed experts where peft adds them (``--no-lora-experts``),
+   then a lower rank (halved, down to 1). Full fine-tuning: LoRA, the highest rank of
    ``LORA_RANKS`` that fits.
 2. More microbatches per iteration (smaller ones, less activation memory each): the
    fewest that split the batch evenly.
@@ -23,6 +24,7 @@ from functools import partial
 
 from .breakdown import MemoryFit
 from .gpus import GIB, Gpu
+from .model_costs import adapted_spec
 from .model_specs import ModelSpec
 from .models import Workload, memory_fit
 
@@ -35,9 +37,10 @@ class Suggestion:
     """What to change so that the run fits, and its memory once changed."""
 
     option: str | None
-    """The command-line option to change (``--lora``, ``--microbatches``, ``--seq-len``);
-    ``None`` when no nearby configuration fits."""
+    """The command-line option to change (``--no-lora-experts``, ``--lora``,
+    ``--microbatches``, ``--seq-len``); ``None`` when no nearby configuration fits."""
     value: int | None
+    """The option's value (``None`` for a flag)."""
     memory: MemoryFit | None
     host_ram_needed: int | None = None
     """When the host RAM does not fit: the RAM (bytes) the run fits in as it is."""
@@ -55,9 +58,8 @@ class Suggestion:
         if self.memory is not None:
             fit = self.memory
             host = "" if fit.host_budget is None else f", host RAM {_gib(fit.host.total)} GiB"
-            parts.append(
-                f"{self.option} {self.value} fits (GPU {_gib(fit.device.total)} GiB{host})"
-            )
+            option = self.option if self.value is None else f"{self.option} {self.value}"
+            parts.append(f"{option} fits (GPU {_gib(fit.device.total)} GiB{host})")
         else:
             gpu = ": a GPU with more memory is needed" if self.gpu_short else ""
             parts.append(
@@ -99,7 +101,7 @@ def nearest_fit(
         result = memory_fit(spec, gpu, candidate, num_gpus, host_ram)
         return result if result.fits_all else None
 
-    for option, value, candidate in _one_setting_moved(work):
+    for option, value, candidate in _one_setting_moved(spec, work):
         fitting = fit(candidate)
         if fitting is not None:
             return found(option, value, fitting)
@@ -109,8 +111,12 @@ def nearest_fit(
     return found(None, None, None)
 
 
-def _one_setting_moved(work: Workload) -> Iterator[tuple[str, int, Workload]]:
+def _one_setting_moved(
+    spec: ModelSpec, work: Workload
+) -> Iterator[tuple[str, int | None, Workload]]:
     """Steps 1 and 2 of the module's order, nearest first."""
+    if work.lora_rank and adapted_spec(spec, work).expert_adapters:
+        yield "--no-lora-experts", None, replace(work, lora_experts=False)
     if work.lora_rank:
         rank = work.lora_rank // 2
         while rank >= 1:

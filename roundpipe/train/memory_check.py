@@ -128,6 +128,11 @@ def _fixes(
         option = f"{near.option} {near.value}"
         if near.option == "--lora":
             option = f"--lora-r {near.value}" + (" (LoRA: without --full)" if options.full else "")
+        if near.option == "--no-lora-experts":  # peft 0.22's all-linear adapts every expert
+            option = (
+                "--lora-targets naming no expert projection (all-linear adapts each routed "
+                "expert: e.g. q_proj,k_proj,v_proj,o_proj)"
+            )
         found.append(f"{option} ({_gib(near.memory.host.total)} GiB)")
     if not found and lean is not None and lean.changed:
         return (

@@ -89,6 +89,8 @@ def test_simulate_prices_the_expert_adapters_unless_told_not_to(converting, caps
     assert _simulate(capsys) == without  # a peft that converts nothing adds none
     assert without["fits"] and not with_experts["fits"]
     assert "layer" in with_experts["detail"]  # a layer's folded expert stacks outgrow it
+    assert with_experts["suggestion"]["option"] == "--no-lora-experts"
+    assert with_experts["suggestion"]["text"].startswith("--no-lora-experts fits (GPU")
     assert with_experts["host_ram"]["total"] > without["host_ram"]["total"]
 
 
@@ -123,3 +125,37 @@ def test_simulate_says_how_many_parameters_lora_trains(converting, capsys):
     assert "LoRA rank 16: 996.5M trained, the routed experts' too" in capsys.readouterr().out
     main([*argv, "--no-lora-experts"])
     assert "LoRA rank 16: 13.4M trained)" in capsys.readouterr().out
+
+
+QWEN3_30B_A3B = {
+    "model_type": "qwen3_moe", "hidden_size": 2048, "intermediate_size": 6144,
+    "moe_intermediate_size": 768, "num_hidden_layers": 48, "num_attention_heads": 32,
+    "num_key_value_heads": 4, "head_dim": 128, "vocab_size": 151936, "num_experts": 128,
+    "num_experts_per_tok": 8,
+}  # fmt: skip
+
+
+def test_a_run_the_expert_adapters_outgrow_is_told_to_leave_the_experts(converting, monkeypatch):
+    """roundpipe train's memory check: between what all-linear needs with peft 0.22's
+    expert adapters and what it needs without, the refusal names the targets to give."""
+    pytest.importorskip("yaml")
+    from roundpipe.predict.host_memory import AVAILABLE, Room
+    from roundpipe.predict.model_specs import ModelSpec
+    from roundpipe.predict.models import memory_fit
+    from roundpipe.train import memory_check
+    from roundpipe.train.options import resolve
+    from roundpipe.train.usage import UsageError
+
+    converting(True)
+    given = {"model": "m", "data": "d", "output": "o", "seq_len": 512, "devices": "emulated:2"}
+    options = resolve(given)
+    work = memory_check.run_workload(options, world=1, devices=2)
+    spec, gpu = ModelSpec.from_config(QWEN3_30B_A3B), memory_check.PRICED_GPU
+    needs = [memory_fit(spec, gpu, w, 2, 2**50) for w in (work, replace(work, lora_experts=False))]
+    fraction = needs[0].host_budget.usable_fraction
+    room = int((needs[0].host.total + needs[1].host.total) / 2 / fraction)
+    monkeypatch.setattr(memory_check, "usable_ram", lambda: Room(room, AVAILABLE))
+    with pytest.raises(UsageError, match="--lora-targets naming no expert projection"):
+        memory_check.check_host_memory(options, QWEN3_30B_A3B, world=1)
+    converting(False)  # a peft that adapts no expert: the run fits
+    memory_check.check_host_memory(options, QWEN3_30B_A3B, world=1)
