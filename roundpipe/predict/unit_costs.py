@@ -106,14 +106,16 @@ def layer_cost(
     frozen = lora_rank > 0
     dense_linear = spec.dense_linear_params(shape)
     adapters = spec.lora_params_of(shape, lora_rank)
-    per_token = adapters - spec.expert_adapter_params(shape, lora_rank)
+    on_experts = spec.expert_adapter_params(shape, lora_rank)
+    folded = on_experts > 0  # folded into the experts' weights, which then train
+    per_token = adapters - on_experts
     matmul = 2 * tokens * (dense_linear + per_token)
     matmul_backward = 2 * tokens * (dense_linear * (1 if frozen else 2) + 2 * per_token)
     attention = mixer.sequence_flops(tokens, seq_len, window)
     elementwise = tokens * elementwise_bytes(spec, shape)
-    experts_fwd, experts_bwd = _expert_times(spec, kernels, tokens, frozen, shape)
-    folded_fwd, folded_bwd, folded_bytes = _folded_expert_adapters(
-        spec, kernels, tokens, lora_rank, shape
+    experts_fwd, experts_bwd = _expert_times(spec, kernels, tokens, frozen and not folded, shape)
+    folded_fwd, folded_bwd, folded_bytes = (
+        _folded_expert_adapters(spec, kernels, lora_rank) if folded else (0.0, 0.0, 0)
     )
     experts_fwd, experts_bwd = experts_fwd + folded_fwd, experts_bwd + folded_bwd
     nf4 = spec.linear_weights_of(shape) if quantized else 0
@@ -238,23 +240,19 @@ def _expert_times(
 
 
 def _folded_expert_adapters(
-    spec: ModelSpec, kernels: Kernels, tokens: int, rank: int, layer: LayerShape
+    spec: ModelSpec, kernels: Kernels, rank: int
 ) -> tuple[float, float, int]:
     """peft's adapters on a layer's routed experts (``ModelSpec.expert_adapters``): each
     forward folds them into the stacked weights, ``W + B A`` per projection for every
     expert (one ``baddbmm``: a new stack as large as the experts' weights, which their
     GEMMs save for the backward); the backward forms that stack's gradient (the experts'
-    weight gradient, as in a full fine-tune) and the factors' gradients from it.
-    Seconds beyond the frozen experts' forward and backward, and the bytes of the two
-    stacks (the folded weights and their gradient). Zero where LoRA leaves the experts."""
-    if not spec.expert_adapter_params(layer, rank):
-        return 0.0, 0.0, 0
+    weight gradient, priced by :func:`_expert_times` as in a full fine-tune) and the
+    factors' gradients from it. Seconds of the fold and of the factors' gradients, and the
+    bytes of the two stacks (the folded weights and their gradient)."""
     h, i, experts = spec.hidden_size, spec.moe_intermediate_size, spec.num_experts
     up = 2 if spec.mlp_gated else 1  # gate_up_proj's adapter has up x the rank
     fold = 2 * experts * h * i * (up * up * rank + rank)
     stack = experts * spec.expert_params * HALF
     fold_time = fold / kernels.matmul_speed + 2 * stack / kernels.memory_speed
-    frozen_bwd = _expert_times(spec, kernels, tokens, True, layer)[1]
-    trained_bwd = _expert_times(spec, kernels, tokens, False, layer)[1]
-    backward = trained_bwd - frozen_bwd + 2 * fold / kernels.matmul_speed
-    return fold_time, backward + stack / kernels.memory_speed, 2 * stack
+    backward = 2 * fold / kernels.matmul_speed + stack / kernels.memory_speed
+    return fold_time, backward, 2 * stack
