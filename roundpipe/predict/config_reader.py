@@ -157,7 +157,7 @@ def _fields(values: dict, model_type: str) -> dict:
     fields.update(_attention_fields(values, model_type, heads))
     fields.update(_shared_expert_fields(values) if experts else {})
     if LINEAR_ATTENTION in mixers:
-        fields.update(_delta_net_fields(values))
+        fields.update(_delta_net_fields(values, model_type))
     if MAMBA in mixers or ATTENTION_MAMBA in mixers:
         fields.update(_mamba_fields(values, model_type, hidden))
     return fields
@@ -263,7 +263,7 @@ def _shared_expert_fields(values: Mapping) -> dict:
     return {"n_shared_experts": values.get("n_shared_experts") or 0}
 
 
-def _delta_net_fields(values: Mapping) -> dict:
+def _delta_net_fields(values: Mapping, model_type: str) -> dict:
     names = ("num_key_heads", "num_value_heads", "key_head_dim", "value_head_dim")
     missing = [f"linear_{n}" for n in names if not values.get(f"linear_{n}")]
     if missing:
@@ -273,6 +273,7 @@ def _delta_net_fields(values: Mapping) -> dict:
         )
     fields = {f"linear_{n}": values[f"linear_{n}"] for n in names}
     fields["linear_conv_kernel_dim"] = values.get("linear_conv_kernel_dim") or 4
+    fields["linear_fused_inputs"] = model_type.startswith("qwen3_next")
     return fields
 
 

@@ -117,6 +117,8 @@ class ModelSpec:
     linear_key_head_dim: int = 0
     linear_value_head_dim: int = 0
     linear_conv_kernel_dim: int = 0
+    linear_fused_inputs: bool = False
+    """Qwen3-Next's fused in_proj_qkvz and in_proj_ba (Qwen3.5 splits them)."""
     mamba_n_heads: int = 0
     """Mamba2 (``mamba`` layers): heads."""
     mamba_d_head: int = 0
@@ -193,7 +195,7 @@ class ModelSpec:
                 self.linear_key_head_dim,
                 self.linear_value_head_dim,
                 self.linear_conv_kernel_dim,
-                fused_inputs=self.model_type == "qwen3_next",
+                fused_inputs=self.linear_fused_inputs,
             )
         if kind == MAMBA:
             return self._mamba()
