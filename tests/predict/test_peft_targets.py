@@ -159,3 +159,10 @@ def test_a_run_the_expert_adapters_outgrow_is_told_to_leave_the_experts(converti
         memory_check.check_host_memory(options, QWEN3_30B_A3B, world=1)
     converting(False)  # a peft that adapts no expert: the run fits
     memory_check.check_host_memory(options, QWEN3_30B_A3B, world=1)
+
+
+def test_the_nf4_expert_types_are_the_families_roundpipe_hf_quantizes_the_experts_of():
+    from roundpipe.hf.nf4_experts import SUPPORTED
+
+    classes = {t.title().replace("_", "") + "Experts" for t in peft_targets.NF4_EXPERT_TYPES}
+    assert classes == set(SUPPORTED)  # Qwen3MoeExperts, GptOssExperts
